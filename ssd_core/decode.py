@@ -1,0 +1,266 @@
+"""Decode loops as generators of small immutable events.
+
+`decode(...)` yields one `Start` event (after prefill and the strategy's routing),
+then one `Step` per verification step. Autoregressive steps are Steps with no
+drafts. The app, the benchmark and the tests all consume these same events.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .backbone import EMPTY, Backbone, PromptIds
+from .skipset import SkipSet
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 128
+    gamma: int = 4                 # most draft tokens per step
+    threshold: float = 0.0         # stop drafting when the draft's top-1 probability falls below this
+    temperature: float = 0.0       # 0 → greedy
+    top_p: float = 1.0
+    seed: int | None = 0
+    stop_at_eos: bool = True
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        checks = [
+            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens must be ≥ 1"),
+            (isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma (draft length) must be 1..64"),
+            (_finite(self.threshold) and 0.0 <= self.threshold <= 1.0, "threshold must be in [0, 1]"),
+            (_finite(self.temperature) and 0.0 <= self.temperature <= 10.0, "temperature must be in [0, 10]"),
+            (_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A strategy's answer for one step: the skip set to draft with, or None for autoregressive."""
+
+    skip: SkipSet | None
+    note: str = ""
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Start:
+    """Emitted once, after prefill: the prompt, its first token and the strategy's routing."""
+
+    prompt_len: int
+    first_token: int
+    embedding: torch.Tensor
+    prefill_s: float
+    strategy: str
+    info: dict
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verification step (or one autoregressive step, with no drafts)."""
+
+    index: int
+    context_len: int                  # tokens in the cache before this step (prompt + committed)
+    drafted: tuple[int, ...]          # draft tokens proposed
+    draft_probs: tuple[float, ...]    # the draft's probability of each proposed token
+    verified: tuple[int, ...]         # verifier's token per position (greedy: len(drafted)+1)
+    accepted: int                     # drafts accepted
+    committed: tuple[int, ...]        # tokens added to the output this step
+    skip: SkipSet | None              # the set drafted with; None = autoregressive step
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    note: str = ""
+    finished: bool = False
+
+    @property
+    def speculative(self) -> bool:
+        return self.skip is not None
+
+    @property
+    def rejected(self) -> tuple[int, ...]:
+        """Draft tokens the verifier threw away."""
+        return self.drafted[self.accepted:]
+
+
+class Strategy:
+    """Which sublayers to skip for this prompt, now. Subclasses override `start` / `choose`."""
+
+    name = "ar"
+
+    def start(self, backbone: Backbone, prompt: PromptIds, embedding: torch.Tensor) -> dict:
+        """Called after prefill; returns info for the UI (routing etc.)."""
+        return {}
+
+    def choose(self, state: "DecodeState") -> Decision:
+        return Decision(None)
+
+    def update(self, step: Step) -> None:
+        """Told each step's outcome (e.g. to adapt)."""
+
+
+@dataclass
+class DecodeState:
+    """What a strategy may look at when choosing: the live decode context."""
+
+    backbone: Backbone
+    cache: object
+    tokens: list[int]      # prompt + committed tokens, the last one not yet in the cache
+    generated: int
+    steps: int
+    config: DecodeConfig
+
+
+# --- token choice ---------------------------------------------------------------------------------
+def _probs(logits: torch.Tensor, cfg: DecodeConfig) -> torch.Tensor:
+    """Sampling distribution after temperature and top-p (rows = positions)."""
+    p = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(p, dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < cfg.top_p   # always keeps the top token
+        sorted_p = sorted_p * keep
+        p = torch.zeros_like(p).scatter_(-1, order, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def _sample(p: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+# --- the loop -----------------------------------------------------------------------------------
+def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | None = None,
+           config: DecodeConfig = DecodeConfig(), should_stop=None) -> Iterator[Start | Step]:
+    """Prefill, then speculative (or autoregressive) steps until EOS or max_new_tokens.
+
+    should_stop: optional callable polled once per step (cancellation).
+    """
+    strategy = strategy or Strategy()
+    if isinstance(prompt, str):
+        prompt = backbone.encode(prompt, max_tokens=config.max_prompt_tokens)
+    gen = torch.Generator().manual_seed(config.seed if config.seed is not None else
+                                        int(time.time_ns() % (2 ** 31)))
+    budget = config.max_new_tokens
+    cache = backbone.new_cache(min(backbone.max_positions, len(prompt) + budget + config.gamma + 2))
+    t0 = time.perf_counter()
+    pre = backbone.prefill(prompt, cache)
+    first = int(pre.logits.argmax()) if config.greedy else _sample(_probs(pre.logits, config), gen)
+    prefill_s = time.perf_counter() - t0
+    info = strategy.start(backbone, prompt, pre.embedding)
+    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, info, prompt.truncated)
+    tokens = list(prompt.ids) + [first]
+    generated = 1
+    finished = config.stop_at_eos and first in backbone.eos_ids
+    index = 0
+    while not finished and generated < budget:
+        if should_stop is not None and should_stop():
+            return
+        t_start = time.perf_counter()
+        state = DecodeState(backbone, cache, tokens, generated, index, config)
+        decision = strategy.choose(state)
+        room = budget - generated          # tokens we may still commit
+        step = _step(backbone, cache, tokens[-1], decision, config, gen, room, index, t_start)
+        committed = step.committed
+        if config.stop_at_eos:
+            for j, t in enumerate(committed):
+                if t in backbone.eos_ids:
+                    committed = committed[:j + 1]
+                    finished = True
+                    break
+        tokens.extend(committed)
+        generated += len(committed)
+        finished = finished or generated >= budget
+        if committed != step.committed or finished:
+            step = _replace(step, committed=committed, finished=finished)
+        strategy.update(step)
+        index += 1
+        yield step
+
+
+def _replace(step: Step, **kw) -> Step:
+    from dataclasses import replace
+    return replace(step, **kw)
+
+
+def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConfig,
+          gen: torch.Generator, room: int, index: int, t_start: float) -> Step:
+    n = cache.length
+    greedy = cfg.greedy
+    skip = decision.skip
+    gamma = min(cfg.gamma, room - 1) if skip is not None else 0
+    drafted: list[int] = []
+    draft_probs: list[float] = []
+    q_rows = []
+    t_draft = time.perf_counter()
+    x = pending
+    for _ in range(gamma):
+        logits = bb.forward([x], cache, skip)
+        if greedy:
+            p_top, d = torch.softmax(logits, -1).max(-1)
+            p_top, d = float(p_top), int(d)
+            if p_top < cfg.threshold:
+                break
+            draft_probs.append(p_top)
+        else:
+            q = _probs(logits, cfg)
+            if float(q.max()) < cfg.threshold:
+                break
+            d = _sample(q, gen)
+            q_rows.append(q)
+            draft_probs.append(float(q[d]))
+        drafted.append(d)
+        x = d
+    t_verify = time.perf_counter()
+    cache.crop(n)
+    logits = bb.forward([pending] + drafted, cache, EMPTY, logits="all")
+    t_accept = time.perf_counter()
+    if greedy:
+        verified = tuple(logits.argmax(-1).tolist())
+        accepted = 0
+        while accepted < len(drafted) and drafted[accepted] == verified[accepted]:
+            accepted += 1
+        committed = tuple(drafted[:accepted]) + (verified[accepted],)
+    else:
+        accepted, bonus = _speculative_sample(logits, drafted, q_rows, cfg, gen)
+        committed = tuple(drafted[:accepted]) + (bonus,)
+        verified = committed
+    cache.crop(n + accepted + 1)
+    t_end = time.perf_counter()
+    draft_s, verify_s = t_verify - t_draft, t_accept - t_verify
+    return Step(index=index, context_len=n, drafted=tuple(drafted), draft_probs=tuple(draft_probs),
+                verified=verified, accepted=accepted, committed=committed, skip=skip,
+                draft_s=draft_s, verify_s=verify_s,
+                overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note)
+
+
+def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:
+    """Accept draft i with prob min(1, p/q); on rejection resample from norm(max(0, p − q))."""
+    p_rows = _probs(logits, cfg)
+    for i, d in enumerate(drafted):
+        p, q = p_rows[i], q_rows[i]
+        ratio = float(p[d]) / max(float(q[d]), 1e-20)
+        u = float(torch.rand((), generator=gen))
+        if u < min(1.0, ratio):
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        if total <= 1e-12:            # p ≈ q: the residual is empty, fall back to p
+            return i, _sample(p, gen)
+        return i, _sample(residual / total, gen)
+    return len(drafted), _sample(p_rows[len(drafted)], gen)

@@ -1,0 +1,88 @@
+"""SkipSet: which attention and MLP sublayers the draft pass leaves out.
+
+Skipping a sublayer means its residual branch is not added (h stays h).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SkipSet:
+    """Layer indices whose attention / MLP sublayer the draft skips."""
+
+    attn: frozenset[int] = field(default_factory=frozenset)
+    mlp: frozenset[int] = field(default_factory=frozenset)
+    name: str = ""
+
+    def __post_init__(self):
+        for kind in ("attn", "mlp"):
+            values = getattr(self, kind)
+            if isinstance(values, (str, bytes)):
+                raise TypeError(f"SkipSet.{kind} must be a collection of layer indices")
+            ints = frozenset(int(v) for v in values)
+            if any(isinstance(v, bool) or int(v) != v for v in values):
+                raise TypeError(f"SkipSet.{kind} must hold integers, got {sorted(values)!r}")
+            object.__setattr__(self, kind, ints)
+
+    @classmethod
+    def empty(cls, name: str = "full") -> "SkipSet":
+        return cls(frozenset(), frozenset(), name)
+
+    def validate(self, n_layers: int) -> "SkipSet":
+        """Raise ValueError if any index is outside [0, n_layers)."""
+        for kind in ("attn", "mlp"):
+            bad = sorted(i for i in getattr(self, kind) if not 0 <= i < n_layers)
+            if bad:
+                raise ValueError(
+                    f"SkipSet {self.name or '(unnamed)'}: {kind} layer indices {bad} are out of "
+                    f"range for a model with {n_layers} layers (valid: 0..{n_layers - 1})"
+                )
+        return self
+
+    def __len__(self) -> int:
+        return len(self.attn) + len(self.mlp)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.attn and not self.mlp
+
+    def sublayer_ratio(self, n_layers: int) -> float:
+        """Share of the 2·L sublayers that are skipped."""
+        return len(self) / (2 * n_layers)
+
+    def weight_ratio(self, attn_params: int, mlp_params: int, n_layers: int,
+                     other_params: int = 0) -> float:
+        """Share of the model's weights the draft does not read (per decoder layer sizes)."""
+        total = n_layers * (attn_params + mlp_params) + other_params
+        return (len(self.attn) * attn_params + len(self.mlp) * mlp_params) / total
+
+    def skips_attn(self, layer: int) -> bool:
+        return layer in self.attn
+
+    def skips_mlp(self, layer: int) -> bool:
+        return layer in self.mlp
+
+    def with_name(self, name: str) -> "SkipSet":
+        return SkipSet(self.attn, self.mlp, name)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SkipSet":
+        unknown = set(d) - {"name", "attn", "mlp"}
+        if unknown:
+            raise ValueError(f"SkipSet: unknown keys {sorted(unknown)}")
+        return cls(frozenset(d.get("attn", ())), frozenset(d.get("mlp", ())), d.get("name", ""))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "SkipSet":
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        return (f"SkipSet({self.name or '-'}: attn={sorted(self.attn)}, mlp={sorted(self.mlp)})")
