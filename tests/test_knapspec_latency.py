@@ -1,0 +1,150 @@
+"""Latency model arithmetic, the auto policy, and KnapSpec's knapsack."""
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ssd_core.backbone import EMPTY
+from ssd_core.decode import DecodeConfig
+from ssd_core.generate import generate
+from ssd_core.knapspec import KnapSpec, choose_skip, fit_kappa, knapsack_min_loss, sublayer_similarity
+from ssd_core.latency import Auto, LatencyModel, expected_tokens, fit_report, profile
+from ssd_core.skipset import SkipSet
+from ssd_core.strategies import Autoregressive, Static
+
+
+def lat(n_layers=5, attn_b=1e-6, verify=None):
+    return LatencyModel(n_layers=n_layers, attn_a=2e-3, attn_b=attn_b, mlp=3e-3, head=1e-3,
+                        overhead=1e-3, verify=verify or {1: 1.0, 2: 1.05, 5: 1.3, 9: 1.6})
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_expected_speedup_by_hand():
+    m = lat()
+    skip = SkipSet({1, 2}, {3})
+    full = 1e-3 + 1e-3 + 5 * (2e-3 + 1e-6 * 100) + 5 * 3e-3
+    draft = full - 2 * (2e-3 + 1e-4) - 3e-3
+    c = draft / full
+    v = m.verify_cost(5)
+    assert m.draft_cost(skip, 100) == pytest.approx(c)
+    assert m.expected_speedup(skip, 0.8, 4, 100) == pytest.approx(expected_tokens(0.8, 4) / (4 * c + v))
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    m = lat()
+    assert m.verify_cost(1) == 1.0
+    assert m.verify_cost(3) == pytest.approx(1.05 + (1.3 - 1.05) / 3)
+    assert m.verify_cost(11) == pytest.approx(1.6 + 2 * (1.6 - 1.3) / 4)
+
+
+def test_latency_round_trip_and_break_even():
+    m = lat()
+    assert LatencyModel.from_dict(m.to_dict()) == m
+    skip = SkipSet({1, 2, 3}, {1, 2, 3})
+    a = m.break_even_acceptance(skip, 4)
+    assert a is not None and m.expected_speedup(skip, a, 4) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_profile_on_tiny_model(tiny):
+    m = profile(tiny, contexts=(16, 64, 128), verify_ks=(1, 2, 5), repeats=3, progress=False)
+    assert m.n_layers == tiny.n_layers
+    assert m.attn_a > 0 and m.mlp > 0 and m.head > 0
+    assert set(m.verify) == {1, 2, 5}
+    assert len(fit_report(m)) == 3
+
+
+def test_auto_falls_back_when_a_loss_is_predicted(tiny):
+    skip = SkipSet({1}, {2}, name="math")
+    slow_verify = lat(verify={1: 1.0, 5: 3.0})
+    auto = Auto(Static(skip), slow_verify, {"math": 0.3}, gamma=4)
+    g = generate(tiny, "auto", auto, max_new_tokens=12, gamma=4)
+    assert g.start.info["auto"]["speculate"] is False
+    assert all(not s.speculative for s in g.steps)
+    assert "autoregressive" in g.steps[0].note
+    fast = Auto(Static(skip), lat(verify={1: 1.0, 5: 1.01}), {"math": 0.99}, gamma=4)
+    g2 = generate(tiny, "auto", fast, max_new_tokens=12, gamma=4)
+    assert g2.start.info["auto"]["speculate"] is True
+    assert any(s.speculative for s in g2.steps)
+    assert g2.token_ids == g.token_ids
+
+
+# --- knapsack ----------------------------------------------------------------------------------
+def _brute(weights, losses, capacity):
+    best = [math.inf] * (capacity + 1)
+    for r in range(len(weights) + 1):
+        for subset in itertools.combinations(range(len(weights)), r):
+            w = sum(weights[i] for i in subset)
+            if w <= capacity:
+                best[w] = min(best[w], sum(losses[i] for i in subset))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_knapsack_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    weights = [rng.randint(1, 6) for _ in range(n)]
+    losses = [round(rng.random(), 3) for _ in range(n)]
+    cap = rng.randint(1, 25)
+    best, choose = knapsack_min_loss(weights, losses, cap)
+    expected = _brute(weights, losses, cap)
+    for c in range(cap + 1):
+        assert best[c] == pytest.approx(expected[c]) or (math.isinf(best[c]) and math.isinf(expected[c]))
+        if math.isfinite(best[c]):
+            items = choose(c)
+            assert sum(weights[i] for i in items) == c
+            assert sum(losses[i] for i in items) == pytest.approx(best[c])
+
+
+def test_choose_skip_prefers_low_loss_sublayers_and_protects_ends():
+    m = lat(n_layers=6)
+    attn = np.array([0.5, 0.999, 0.6, 0.999, 0.6, 0.5])
+    mlp = np.array([0.5, 0.6, 0.999, 0.6, 0.6, 0.5])
+    choice = choose_skip(m, attn, mlp, context_len=128, gamma=4, kappa=4.0)
+    assert 0 not in choice.skip.attn | choice.skip.mlp
+    assert 5 not in choice.skip.attn | choice.skip.mlp
+    assert {1, 3} <= choice.skip.attn and 2 in choice.skip.mlp
+
+
+def test_attention_gets_skipped_more_as_context_grows():
+    m = lat(n_layers=8, attn_b=2e-5)
+    sim = np.full(8, 0.97)
+    short = choose_skip(m, sim, sim, context_len=16, gamma=4, kappa=3.0)
+    long = choose_skip(m, sim, sim, context_len=4000, gamma=4, kappa=3.0)
+    assert len(long.skip.attn) >= len(short.skip.attn)
+
+
+def test_fit_kappa_recovers_a_known_value():
+    pts = [(l, math.exp(-5.0 * l)) for l in (0.01, 0.05, 0.1, 0.2)]
+    assert fit_kappa(pts) == pytest.approx(5.0)
+
+
+def test_sublayer_similarity_leaves_the_cache_intact(tiny):
+    ids = list(tiny.encode("similarity probe").ids)
+    cache = tiny.new_cache(64)
+    tiny.forward(ids[:-1], cache)
+    k0 = cache.k[:, :, :cache.length].clone()
+    attn, mlp = sublayer_similarity(tiny, cache, ids, window=6)
+    assert cache.length == len(ids) - 1
+    torch.testing.assert_close(cache.k[:, :, :cache.length], k0, atol=1e-5, rtol=1e-5)
+    assert attn.shape == (tiny.n_layers,) and np.all(attn <= 1.0 + 1e-6)
+
+
+def test_knapspec_is_lossless_and_reports_its_decisions(tiny):
+    cfg = DecodeConfig(max_new_tokens=40, gamma=3)
+    ar = generate(tiny, "knapsack decoding", Autoregressive(), cfg)
+    ks = KnapSpec(lat(), gamma=3, every=8)
+    g = generate(tiny, "knapsack decoding", ks, cfg)
+    assert g.token_ids == ar.token_ids
+    assert all(s.speculative for s in g.steps)
+    notes = [s.note for s in g.steps if s.note]
+    assert notes and notes[0].startswith("knapspec: re-optimised")
+    assert len(ks.history) == len(notes)
