@@ -21,3 +21,14 @@ def real_model():
     """The embedded default model (marked tests only)."""
     from ssd_core.backbone import load_backbone
     return load_backbone(threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tiny, tmp_path_factory):
+    """A full calibration of the tiny model (small budgets: seconds, not minutes)."""
+    from ssd_core.calibrate import calibrate
+    out = tmp_path_factory.mktemp("calibration") / "tiny"
+    return calibrate(None, out, budget=6, gamma=3, prompts_per_domain=6, held_out_per_domain=4,
+                     continuation_tokens=8, max_prompt_tokens=48, backbone=tiny,
+                     profile_kw={"contexts": (16, 64), "verify_ks": (1, 2, 4), "repeats": 2},
+                     progress=False)

@@ -1,0 +1,185 @@
+"""Rebuild every calibration artefact for a model from assets/domains/*.jsonl.
+
+    python -m ssd_core.calibrate --model SPEC --out assets/calibration/<slug>
+
+Steps (each with a progress bar): latency profile → teacher-forcing data →
+per-domain + static skip-set search → held-out matchness matrix → prompt
+embeddings (two poolings compared) → KNN router + threshold → KnapSpec κ → UMAP.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import calibration as cal_io
+from .backbone import Backbone, load_backbone
+from .domains import DOMAIN_DIR, DOMAINS, domains_hash, load_prompts, split
+from .knapspec import fit_kappa, prompt_similarity
+from .latency import fit_report, profile
+from .router import Router, suggest_threshold
+from .search import build_match_data, matchness_per_domain, search_all
+
+log = logging.getLogger("ssd_core.calibrate")
+
+
+def embed_prompts(bb: Backbone, prompts: list[str], max_prompt_tokens: int, desc: str,
+                  progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(user-token pooling, whole-template pooling) embeddings from the prefill."""
+    user, whole = [], []
+    for p in tqdm(prompts, desc=desc, disable=not progress, leave=False):
+        ids = bb.encode(p, max_tokens=max_prompt_tokens)
+        pre = bb.prefill(ids, bb.new_cache(len(ids) + 1))
+        user.append(pre.embedding.float().numpy())
+        whole.append(pre.embedding_all.float().numpy())
+    return np.stack(user), np.stack(whole)
+
+
+def _kappa_points(bb, results, prompts_by_domain, max_prompt_tokens) -> list[tuple[float, float]]:
+    """(loss under the knapsack's measure, searched matchness) for every trial of every search."""
+    points = []
+    for domain, res in results.items():
+        sims = [prompt_similarity(bb, bb.encode(p, max_tokens=max_prompt_tokens).ids)
+                for p in prompts_by_domain[domain][:4]]
+        attn = np.mean([s[0] for s in sims], axis=0)
+        mlp = np.mean([s[1] for s in sims], axis=0)
+        for h in res.history:
+            loss = sum(1 - attn[i] for i in h["attn"]) + sum(1 - mlp[i] for i in h["mlp"])
+            points.append((float(loss), float(h["matchness"])))
+    return points
+
+
+def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
+              prompts_per_domain: int = 10, held_out_per_domain: int = 6, continuation_tokens: int = 24,
+              max_prompt_tokens: int = 256, domain_dir: Path = DOMAIN_DIR, seed: int = 0,
+              backbone: Backbone | None = None, profile_kw: dict | None = None,
+              umap: bool = True, progress: bool = True) -> cal_io.Calibration:
+    t_start = time.perf_counter()
+    timings = {}
+    bb = backbone or load_backbone(model, threads=torch.get_num_threads())
+    prompts = load_prompts(domain_dir)
+    splits = {d: split(ps) for d, ps in prompts.items()}
+
+    t = time.perf_counter()
+    latency = profile(bb, progress=progress, **(profile_kw or {}))
+    timings["latency_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    search_data = {d: build_match_data(bb, s[0][:prompts_per_domain], continuation_tokens,
+                                       max_prompt_tokens, progress=progress) for d, s in splits.items()}
+    held_data = {d: build_match_data(bb, s[1][:held_out_per_domain], continuation_tokens,
+                                     max_prompt_tokens, progress=progress) for d, s in splits.items()}
+    timings["match_data_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
+                                 progress=progress)
+    timings["search_s"] = time.perf_counter() - t
+    domain_sets = {d: r.skip for d, r in results.items()}
+
+    t = time.perf_counter()
+    matrix = {}
+    for name, skip in tqdm([*domain_sets.items(), ("static", static.skip)], desc="held-out matchness",
+                           disable=not progress):
+        matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(bb, skip, held_data).items()}
+    timings["matchness_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    emb = {d: [embed_prompts(bb, part, max_prompt_tokens, f"embed {d}/{which}", progress)
+               for which, part in zip(("cal", "held"), s)] for d, s in splits.items()}
+    routing = {}
+    routers = {}
+    for pooling, col in (("user", 0), ("all", 1)):
+        r = Router.build({d: e[0][col] for d, e in emb.items()}, {d: s[0] for d, s in splits.items()},
+                         domain_sets, static.skip, seed=seed, threshold=-1.0)
+        held = {d: e[1][col] for d, e in emb.items()}
+        thr = suggest_threshold(r, held)
+        r = r.with_settings(threshold=thr)
+        routers[pooling] = r
+        routing[pooling] = {"threshold": round(thr, 4),
+                            "accuracy": {k: round(v, 4) for k, v in r.accuracy(held).items()},
+                            "accuracy_majority": {k: round(v, 4) for k, v in
+                                                  r.accuracy(held, vote="majority").items()}}
+    # The app and the bench route on the user-token embedding (decode.Start.embedding).
+    routing["used"] = "user"
+    router = routers["user"]
+    timings["router_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    kappa = fit_kappa(_kappa_points(bb, results, {d: s[0] for d, s in splits.items()}, max_prompt_tokens))
+    timings["kappa_s"] = time.perf_counter() - t
+
+    domain_map = None
+    if umap:
+        from .domain_map import DomainMap
+        t = time.perf_counter()
+        domain_map = DomainMap.fit(router.vectors, seed=seed)
+        timings["umap_s"] = time.perf_counter() - t
+
+    timings["total_s"] = time.perf_counter() - t_start
+    meta = {
+        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden,
+        "domains": list(prompts), "domains_hash": domains_hash(domain_dir),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "settings": {"budget": budget, "gamma": gamma, "prompts_per_domain": prompts_per_domain,
+                     "held_out_per_domain": held_out_per_domain,
+                     "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
+                     "seed": seed},
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+        "latency_fit": fit_report(latency),
+        "search": {name: {"matchness": round(r.matchness, 4), "objective": round(r.objective, 4),
+                          "initial_objective": round(r.initial_objective, 4), "trials": r.trials}
+                   for name, r in [*results.items(), ("static", static)]},
+        "skip_weight_ratio": {name: round(bb.skip_weight_ratio(s), 4)
+                              for name, s in [*domain_sets.items(), ("static", static.skip)]},
+        "predicted_speedup": {name: round(latency.expected_speedup(s, matrix[name].get(name, 0.0)
+                                                                   if name != "static" else
+                                                                   float(np.mean(list(matrix[name].values()))),
+                                                                   gamma), 4)
+                              for name, s in [*domain_sets.items(), ("static", static.skip)]},
+    }
+    cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static.skip,
+                             router=router, matchness=matrix, routing=routing,
+                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out))
+    cal_io.save(cal, out, domain_map)
+    with open(Path(out) / "search_history.json", "w") as f:
+        json.dump({name: r.to_dict() for name, r in [*results.items(), ("static", static)]}, f)
+    return cal_io.load(out, bb, domain_dir)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF id, local folder or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--out", default=None, help="output folder (default: assets/calibration/<slug>)")
+    ap.add_argument("--budget", type=int, default=60, help="search trials per domain (and for static)")
+    ap.add_argument("--gamma", type=int, default=4, help="draft length the search optimises for")
+    ap.add_argument("--prompts-per-domain", type=int, default=10)
+    ap.add_argument("--held-out-per-domain", type=int, default=6)
+    ap.add_argument("--continuation-tokens", type=int, default=24)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-umap", action="store_true", help="skip the UMAP fit (no domain map in the app)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out else cal_io.default_folder(args.model)
+    cal = calibrate(args.model, out, budget=args.budget, gamma=args.gamma,
+                    prompts_per_domain=args.prompts_per_domain, held_out_per_domain=args.held_out_per_domain,
+                    continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                    seed=args.seed, umap=not args.no_umap)
+    print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
+                      "search": cal.meta["search"], "matchness": cal.matchness}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
