@@ -1,0 +1,267 @@
+"""Scaling: decode tokens/s against prompt length for ar, knn and knapspec, and KnapSpec's choice.
+
+    python -m ssd_core.scaling --out assets/bench/scaling
+
+Prompts of about 256, 1k, 2k and 4k tokens are cut from this project's own summarization domain
+texts (assets/domains/summarization.jsonl) under one "Summarize" instruction. Each length runs
+ar, then knn, then knapspec on the same prompt ids (interleaved, after a warm-up), for a fixed
+number of new tokens (no EOS stop, so every run commits the same count). KnapSpec re-chooses its
+skip set from the live context; its choices are recorded, and a sweep of the knapsack over
+context lengths with one fixed similarity profile isolates the cost side: attention sublayers get
+dearer with context, MLPs do not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .backbone import Backbone, PromptIds
+from .bench import DEFINITIONS as BENCH_DEFINITIONS
+from .bench import _machine, _round, aggregate, speedup
+from .calibration import default_folder
+from .decode import DecodeConfig
+from .domains import DOMAIN_DIR, load_prompts
+from .generate import generate
+from .knapspec import choose_skip, prompt_similarity
+
+LENGTHS = (256, 1024, 2048, 4096)
+SWEEP = (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8000)
+INSTRUCTION = "Summarize the following news reports in a few sentences.\n\n"
+STRATEGIES = ("ar", "knn", "knapspec")
+
+DEFINITIONS = {
+    "prompt_tokens": "length of the templated prompt the model prefills (chat template included)",
+    "decode_tokens_per_s": BENCH_DEFINITIONS["decode_tokens_per_s"],
+    "tokens_per_s": BENCH_DEFINITIONS["tokens_per_s"],
+    "decode_speedup": "decode_tokens_per_s ÷ ar's, same prompt ids, same run",
+    "tau": BENCH_DEFINITIONS["tau"], "alpha": BENCH_DEFINITIONS["alpha"],
+    "skip_sets": "knapspec: the set it chose each time it re-optimised (attention + MLP sublayers "
+                 "skipped, at the context length it chose for); knn: the routed domain's set",
+    "knapspec_sweep": "choose_skip(latency, similarity, context) with the similarity profile of the "
+                      "shortest prompt held fixed: the choice as only the cost of attention changes "
+                      "(the latency model is linear in context, fitted on its profiled contexts and "
+                      "extrapolated beyond them)",
+}
+
+
+def source_paragraphs(domain_dir: Path | str = DOMAIN_DIR) -> list[str]:
+    """The project's own news paragraphs (the summarization domain prompts without their prefix)."""
+    out = []
+    for p in load_prompts(domain_dir, ("summarization",))["summarization"]:
+        head, sep, rest = p.partition(":")
+        out.append(rest.strip() if sep and head.lower().startswith("summar") else p.strip())
+    return out
+
+
+def long_prompt(backbone: Backbone, target_tokens: int, paragraphs: list[str], offset: int = 0) -> PromptIds:
+    """A "Summarize" prompt of about `target_tokens` templated tokens, paragraphs from `offset` on."""
+    tok = backbone.tokenizer
+    overhead = len(backbone.encode(INSTRUCTION.strip()))
+    want = max(8, target_tokens - overhead)
+    body: list[int] = []
+    i = offset
+    while len(body) < want:                         # cycles through the paragraphs if it must
+        body += tok(paragraphs[i % len(paragraphs)] + "\n\n", add_special_tokens=False).input_ids
+        i += 1
+    return backbone.encode(INSTRUCTION + tok.decode(body[:want]).strip())
+
+
+def _knapspec_sets(strategy) -> list[dict]:
+    return [{"context_len": h["context_len"], "attn": len(h["skip"]["attn"]), "mlp": len(h["skip"]["mlp"]),
+             "attn_layers": h["skip"]["attn"], "mlp_layers": h["skip"]["mlp"],
+             "predicted_speedup": _round(h["predicted_speedup"]), "acceptance": _round(h["acceptance"])}
+            for h in getattr(strategy, "history", [])]
+
+
+def knapspec_sweep(calibration, attn_sim, mlp_sim, contexts, gamma: int) -> list[dict]:
+    kappa = calibration.knapspec.get("kappa", 8.0)
+    lat = calibration.latency
+    out = []
+    for c in contexts:
+        ch = choose_skip(lat, attn_sim, mlp_sim, c, gamma, kappa)
+        out.append({"context_len": c, "attn_ms": _round(1000 * lat.attn_time(c)), "mlp_ms": _round(1000 * lat.mlp),
+                    "attn": len(ch.skip.attn), "mlp": len(ch.skip.mlp),
+                    "attn_layers": sorted(ch.skip.attn), "mlp_layers": sorted(ch.skip.mlp),
+                    "predicted_speedup": _round(ch.predicted_speedup), "acceptance": _round(ch.acceptance)})
+    return out
+
+
+def findings(result: dict, calibration) -> list[str]:
+    """Plain sentences: where KnapSpec's choice changes (sweep and measured runs)."""
+    lat = calibration.latency
+    out = []
+    if lat.attn_b > 0 and lat.mlp > lat.attn_a:
+        cross = (lat.mlp - lat.attn_a) / lat.attn_b
+        out.append(f"Latency model: one attention sublayer costs {1000 * lat.attn_a:.3f} ms + "
+                   f"{1e6 * lat.attn_b:.3f} µs per context token, an MLP sublayer {1000 * lat.mlp:.3f} ms; "
+                   f"attention becomes the dearer sublayer at about {cross:.0f} tokens of context.")
+    else:
+        out.append(f"Latency model: attention {1000 * lat.attn_a:.3f} ms + {1e6 * lat.attn_b:.3f} µs/token, "
+                   f"MLP {1000 * lat.mlp:.3f} ms per sublayer.")
+    sweep = result.get("knapspec_sweep") or []
+    if sweep:
+        changes = [(a, b) for a, b in zip(sweep, sweep[1:]) if (a["attn"], a["mlp"]) != (b["attn"], b["mlp"])]
+        if not changes:
+            out.append(f"Sweep (fixed similarity): KnapSpec skips {sweep[0]['attn']} attention + "
+                       f"{sweep[0]['mlp']} MLP sublayers at every context from {sweep[0]['context_len']} to "
+                       f"{sweep[-1]['context_len']}: its choice does not change with context on this model.")
+        for a, b in changes:
+            out.append(f"Sweep (fixed similarity): between {a['context_len']} and {b['context_len']} tokens "
+                       f"KnapSpec goes from {a['attn']} attention + {a['mlp']} MLP to {b['attn']} attention + "
+                       f"{b['mlp']} MLP sublayers skipped (attention {a['attn_ms']:.3f} → {b['attn_ms']:.3f} "
+                       f"ms per sublayer; predicted {a['predicted_speedup']:.2f}× → {b['predicted_speedup']:.2f}×).")
+    measured = []
+    for p in result["points"]:
+        sets = p["strategies"].get("knapspec", {}).get("skip_sets") or []
+        if sets:
+            measured.append(f"{p['prompt_tokens']} → {sets[0]['attn']}+{sets[0]['mlp']}")
+    if measured:
+        out.append("Measured runs, KnapSpec's first choice (prompt tokens → attention + MLP skipped): "
+                   + "; ".join(measured) + ".")
+    return out
+
+
+def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: int = 48,
+                gamma: int | None = None, repeats: int = 1, strategies=STRATEGIES,
+                sweep_contexts=SWEEP, warmup: bool = True, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
+    names = ["ar"] + [s for s in strategies if s != "ar"]
+    room = backbone.max_positions - new_tokens - gamma - 2
+    lengths = [n for n in lengths if n <= room]
+    if not lengths:
+        raise ValueError(f"no length fits the model's {backbone.max_positions} positions")
+    cfg = DecodeConfig(max_new_tokens=new_tokens, gamma=gamma, stop_at_eos=False)
+    paragraphs = source_paragraphs()
+    machine = _machine()
+    t0 = time.perf_counter()
+    prompts = {(n, r): long_prompt(backbone, n, paragraphs, offset=7 * r) for n in lengths for r in range(repeats)}
+    if warmup:
+        first = prompts[(lengths[0], 0)]
+        for name in names:
+            generate(backbone, first, calibration.strategy(name, gamma=gamma),
+                     DecodeConfig(max_new_tokens=min(8, new_tokens), gamma=gamma, stop_at_eos=False))
+    bar = tqdm(total=len(prompts) * len(names), desc="scaling", unit="run", disable=not progress)
+    points, failures = [], []
+    for n in lengths:
+        recs = {name: [] for name in names}
+        sets = {name: [] for name in names}
+        for r in range(repeats):
+            ids = prompts[(n, r)]
+            ar_ids = None
+            for name in names:
+                bar.set_postfix_str(f"{len(ids)} tokens {name}")
+                strat = calibration.strategy(name, gamma=gamma)
+                g = generate(backbone, ids, strat, cfg)
+                st = g.stats
+                recs[name].append({"new_tokens": st.new_tokens, "wall_s": st.wall_s, "prefill_s": st.prefill_s,
+                                   "accept_lengths": list(st.accept_lengths), "drafted": st.drafted,
+                                   "accepted": st.accepted})
+                if name == "knapspec":
+                    sets[name] += _knapspec_sets(strat)
+                elif name != "ar":
+                    skip = g.start.info.get("skip") or {}
+                    sets[name].append({"domain": g.start.info.get("domain"), "attn": len(skip.get("attn", [])),
+                                       "mlp": len(skip.get("mlp", []))})
+                if name == "ar":
+                    ar_ids = g.token_ids
+                elif g.token_ids != ar_ids:
+                    failures.append({"prompt_tokens": len(ids), "strategy": name, "repeat": r})
+                bar.update()
+        point = {"target_tokens": n, "prompt_tokens": round(sum(len(prompts[(n, r)]) for r in range(repeats)) / repeats),
+                 "strategies": {}}
+        for name in names:
+            agg = aggregate(recs[name])
+            point["strategies"][name] = {
+                "tokens_per_s": _round(agg["tokens_per_s"], 3),
+                "decode_tokens_per_s": _round(agg["decode_tokens_per_s"], 3),
+                "speedup": _round(speedup(recs[name], recs["ar"])),
+                "decode_speedup": _round(speedup(recs[name], recs["ar"], "decode_tokens_per_s")),
+                "tau": _round(agg["tau"]), "alpha": _round(agg["alpha"]),
+                "prefill_s": _round(sum(x["prefill_s"] for x in recs[name]) / len(recs[name]), 3),
+                "wall_s": _round(agg["wall_s"], 3), "new_tokens": agg["new_tokens"],
+                "skip_sets": sets[name] if name != "ar" else [],
+            }
+        points.append(point)
+    bar.close()
+    short = prompts[(lengths[0], 0)]
+    attn_sim, mlp_sim = prompt_similarity(backbone, short.ids)
+    sweep = [c for c in sweep_contexts if c <= backbone.max_positions]
+    machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result = {
+        "model": backbone.name, "lossless": not failures, "lossless_failures": failures,
+        "points": points,
+        "knapspec_sweep": knapspec_sweep(calibration, attn_sim, mlp_sim, sweep, gamma),
+        "latency_model": {"attn_a_ms": _round(1000 * calibration.latency.attn_a, 5),
+                          "attn_b_us_per_token": _round(1e6 * calibration.latency.attn_b, 5),
+                          "mlp_ms": _round(1000 * calibration.latency.mlp, 5),
+                          "profiled_contexts": [p["context"] for p in calibration.latency.measured]},
+        "settings": {"lengths": list(lengths), "new_tokens": new_tokens, "gamma": gamma, "repeats": repeats,
+                     "strategies": names, "stop_at_eos": False, "greedy": True,
+                     "source": "assets/domains/summarization.jsonl"},
+        "machine": machine, "total_s": round(time.perf_counter() - t0, 1),
+        "definitions": DEFINITIONS,
+    }
+    result["findings"] = findings(result, calibration)
+    return result
+
+
+def write_outputs(result: dict, out_dir) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    try:
+        from viz import bench_figures as bf
+    except ImportError as exc:
+        written["figures_skipped"] = str(exc)
+        table = None
+    else:
+        table = bf.scaling_report(result)
+        (out / "scaling.md").write_text(table, encoding="utf-8")
+        written["figures"] = bf.save_figures({"scaling": bf.scaling_figure(result)}, out)
+    result["outputs"] = written
+    (out / "scaling.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return {"table": table, **written}
+
+
+def main(argv=None, backbone: Backbone | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--calibration", default=None, help="calibration folder (default: assets/calibration/<slug>)")
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="target prompt lengths in tokens")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--gamma", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="prompts per length (different text)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", default="assets/bench/scaling")
+    args = ap.parse_args(argv)
+
+    from . import calibration as cal_io
+    from .backbone import load_backbone
+
+    torch.set_num_threads(args.threads)
+    bb = backbone or load_backbone(args.model, threads=args.threads)
+    folder = Path(args.calibration) if args.calibration else default_folder(args.model)
+    cal = cal_io.load(folder, bb)
+    result = run_scaling(bb, cal, [int(x) for x in args.lengths.split(",")], args.new_tokens, args.gamma,
+                         args.repeats, [s.strip() for s in args.strategies.split(",") if s.strip()],
+                         progress=not args.no_progress)
+    written = write_outputs(result, args.out)
+    print(written["table"] or json.dumps(result["points"], indent=1))
+    if not result["lossless"]:
+        print(f"LOSSLESS FAILURE: {result['lossless_failures']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

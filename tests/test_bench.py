@@ -1,0 +1,251 @@
+"""The Spec-Bench-compatible benchmark on the tiny model: files, keys, arithmetic, ordering, lossless."""
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from ssd_core import bench
+from ssd_core.bench import Question, aggregate, combine_predictions, mix_order, speedup
+
+CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+PROMPTS = {
+    "mt_bench": ["Write a short note to a friend.", "Give two tips for sleeping well."],
+    "translation": ["Translate German to English: Guten Morgen.", "Translate German to English: Danke."],
+    "summarization": ["Summarize: The council met on Monday and agreed to repair the old bridge. " * 4,
+                      "Summarize: Heavy rain closed two roads near the river for most of the day. " * 4],
+    "qa": ["What is the capital of France?", "How many legs does a spider have?"],
+    "math_reasoning": ["Tom has 3 apples and buys 5 more. How many now?", "What is 12 times 4?"],
+    "rag": ["Context: The tower is 300 m tall. Question: How tall is the tower?",
+            "Context: The lake freezes in January. Question: When does it freeze?"],
+}
+STRATEGIES = "ar,static,knn,oracle,knapspec,auto"
+
+
+@pytest.fixture()
+def question_file(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    qid = 0
+    with open(path, "w") as f:
+        for cat in CATEGORIES:
+            for p in PROMPTS[cat]:
+                qid += 1
+                f.write(json.dumps({"question_id": qid, "category": cat, "turns": [p]}) + "\n")
+    return path
+
+
+def _main(tiny, cal, questions, out, *extra):
+    return bench.main(["--questions", str(questions), "--calibration", str(cal.folder), "--out", str(out),
+                       "--max-new-tokens", "10", "--no-progress", *extra], backbone=tiny)
+
+
+# --- a whole run through the CLI ----------------------------------------------------------------
+def test_cli_writes_spec_bench_answers_and_a_complete_summary(tiny, tiny_calibration, question_file, tmp_path):
+    out = tmp_path / "run"
+    rc = _main(tiny, tiny_calibration, question_file, out, "--strategies", STRATEGIES,
+               "--max-prompt-tokens", "200", "--mix-ratio", "0.5", "--seed", "3")
+    assert rc == 0
+    names = STRATEGIES.split(",")
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("model", "lossless", "strategies", "routing", "hf_generate_tokens_per_s", "ar_bandwidth_gb_s",
+                "truncated_prompts", "settings", "order", "lossless_failures", "machine", "definitions"):
+        assert key in summary, key
+    assert summary["lossless"] is True and summary["lossless_failures"] == []
+    assert summary["truncated_prompts"] == 2                 # the two long summarization prompts
+    assert sorted(summary["order"]) == list(range(1, 13))
+    for flag in ("max_new_tokens", "max_prompt_tokens", "mix_ratio", "seed", "limit", "categories",
+                 "hf_generate_every", "gamma", "strategies", "calibration"):
+        assert flag in summary["settings"], flag
+    assert list(summary["strategies"]) == names
+    for name, s in summary["strategies"].items():
+        for key in ("tokens_per_s", "speedup", "tau", "alpha", "predicted_speedup_measured_alpha",
+                    "predicted_speedup_calibration_alpha", "per_category", "speedup_vs_hf_generate"):
+            assert key in s, (name, key)
+        assert set(s["per_category"]) == set(CATEGORIES)
+        for c in s["per_category"].values():
+            assert {"tokens_per_s", "speedup", "tau", "alpha"} <= set(c)
+    ar = summary["strategies"]["ar"]
+    assert ar["tau"] == 1.0 and ar["alpha"] == 0.0 and ar["speedup"] == 1.0
+    assert summary["strategies"]["static"]["drafted"] > 0
+    assert {c: sum(v.values()) for c, v in summary["routing"].items()} == {c: 2 for c in CATEGORIES}
+    assert summary["hf_generate_tokens_per_s"] > 0 and summary["ar_bandwidth_gb_s"] > 0
+
+    for name in names:
+        lines = [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert [a["question_id"] for a in lines] == summary["order"]
+        for a in lines:
+            assert {"question_id", "category", "answer_id", "model_id", "choices", "tstamp"} <= set(a)
+            assert a["model_id"] == f"{tiny.name}-{name}"
+            ch = a["choices"][0]
+            assert ch["index"] == 0
+            for key in ("turns", "new_tokens", "wall_time", "accept_lengths", "decoding_steps"):
+                assert isinstance(ch[key], list) and len(ch[key]) == 1, key
+            # the prefill's token plus every step's committed tokens
+            assert ch["new_tokens"][0] == 1 + sum(ch["accept_lengths"][0])
+            assert ch["decoding_steps"][0] == len(ch["accept_lengths"][0])
+        assert len({a["answer_id"] for a in lines}) == len(lines)
+    ar_turns = [json.loads(x)["choices"][0]["turns"] for x in (out / "ar.jsonl").read_text().splitlines()]
+    knn_turns = [json.loads(x)["choices"][0]["turns"] for x in (out / "knn.jsonl").read_text().splitlines()]
+    assert ar_turns == knn_turns
+    md = (out / "results.md").read_text()
+    assert "| knn |" in md and "τ" in md
+    for fig in ("tau_per_category", "speedup_per_category", "accept_lengths"):
+        assert (out / f"{fig}.html").exists()
+    # kaleido is optional: PNGs either exist or the summary says why they were skipped
+    figs = summary["outputs"]["figures"]
+    assert figs["png"] or figs["png_skipped"]
+
+
+def test_limit_and_categories(tiny, tiny_calibration, question_file, tmp_path):
+    out = tmp_path / "small"
+    rc = _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,static", "--limit", "1",
+               "--categories", "qa,translation", "--hf-generate-every", "0", "--no-figures")
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["order"] == [3, 7]                       # file order of categories, one each
+    assert summary["hf_generate_tokens_per_s"] is None
+    assert not (out / "results.md").exists()
+
+
+def test_a_changed_token_fails_the_lossless_check(tiny, tiny_calibration, question_file, tmp_path,
+                                                  monkeypatch, capsys):
+    real = bench.generate
+
+    def tampered(backbone, prompt, strategy=None, config=None):
+        g = real(backbone, prompt, strategy, config)
+        if getattr(strategy, "name", "") == "static":
+            ids = g.token_ids[:-1] + ((g.token_ids[-1] + 1) % backbone.vocab,)
+            g = replace(g, token_ids=ids, text=backbone.decode(ids))
+        return g
+
+    monkeypatch.setattr(bench, "generate", tampered)
+    out = tmp_path / "broken"
+    rc = _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,static,knn", "--limit", "1",
+               "--no-figures", "--hf-generate-every", "0")
+    assert rc == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lossless"] is False
+    failures = summary["lossless_failures"]
+    assert failures and {f["strategy"] for f in failures} == {"static"}
+    assert {f["question_id"] for f in failures} == set(summary["order"])
+    assert "LOSSLESS FAILURE: strategy static" in capsys.readouterr().err
+
+
+# --- the arithmetic by hand -------------------------------------------------------------------
+def _rec(tokens, wall, lengths, drafted=0, accepted=0, prefill=0.0, category="x", **kw):
+    return {"new_tokens": tokens, "wall_s": wall, "prefill_s": prefill, "accept_lengths": lengths,
+            "drafted": drafted, "accepted": accepted, "category": category, **kw}
+
+
+def test_tau_alpha_and_tokens_per_s_by_hand():
+    # prompt 1: 1 prefill token + steps committing 3, 1, 5 → 10 tokens in 2 s; 12 drafted, 6 accepted
+    # prompt 2: 1 + 2 + 2 → 5 tokens in 3 s; 8 drafted, 2 accepted
+    recs = [_rec(10, 2.0, [3, 1, 5], 12, 6, prefill=0.5), _rec(5, 3.0, [2, 2], 8, 2, prefill=1.0)]
+    agg = aggregate(recs)
+    assert agg["tokens_per_s"] == pytest.approx(15 / 5.0)            # 3.0, not mean(5.0, 1.67)
+    assert agg["tau"] == pytest.approx(13 / 5)                        # pooled over the 5 steps
+    assert agg["alpha"] == pytest.approx(8 / 20)
+    assert agg["decode_tokens_per_s"] == pytest.approx(13 / 3.5)     # (2 − 0.5) + (3 − 1)
+    assert aggregate([_rec(4, 1.0, [1, 1, 1])])["tau"] == 1.0        # autoregressive
+
+
+def test_speedup_is_a_ratio_of_sums_over_the_same_prompts():
+    ar = [_rec(10, 1.0, [1] * 9), _rec(10, 4.0, [1] * 9)]            # 20 tokens / 5 s = 4 tok/s
+    spec = [_rec(10, 0.5, [3, 3, 3]), _rec(10, 5.0, [3, 3, 3])]      # 20 / 5.5 s
+    assert speedup(spec, ar) == pytest.approx((20 / 5.5) / (20 / 5.0))   # 0.909…, below 1 and reported
+    # not the mean of per-prompt ratios (2.0 and 0.8 → 1.4)
+    assert speedup(spec, ar) != pytest.approx((2.0 + 0.8) / 2)
+
+
+def test_predicted_speedups_combine_like_tokens_per_s():
+    recs = [_rec(10, 1, [], predicted=2.0), _rec(30, 1, [], predicted=0.5)]
+    # 40 tokens; predicted time in ar-token units: 10/2 + 30/0.5 = 65 → 40/65
+    assert combine_predictions(recs, "predicted") == pytest.approx(40 / 65)
+    assert combine_predictions([_rec(1, 1, [], predicted=None)], "predicted") is None
+
+
+def test_per_category_numbers_in_a_run_match_the_answer_files(tiny, tiny_calibration, question_file, tmp_path):
+    out = tmp_path / "check"
+    assert _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,knn", "--no-figures",
+                 "--hf-generate-every", "0") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    answers = {n: [json.loads(x) for x in (out / f"{n}.jsonl").read_text().splitlines()] for n in ("ar", "knn")}
+    for cat in CATEGORIES:
+        tok = {n: sum(a["choices"][0]["new_tokens"][0] for a in answers[n] if a["category"] == cat)
+               for n in answers}
+        wall = {n: sum(a["choices"][0]["wall_time"][0] for a in answers[n] if a["category"] == cat)
+                for n in answers}
+        lengths = [k for a in answers["knn"] if a["category"] == cat for k in a["choices"][0]["accept_lengths"][0]]
+        got = summary["strategies"]["knn"]["per_category"][cat]
+        assert got["speedup"] == pytest.approx((tok["knn"] / wall["knn"]) / (tok["ar"] / wall["ar"]), rel=1e-3)
+        assert got["tau"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
+        assert got["tokens_per_s"] == pytest.approx(tok["knn"] / wall["knn"], rel=1e-3)
+
+
+# --- stream order ------------------------------------------------------------------------------
+def _stream(per_cat=4, cats="abc"):
+    return [Question(f"{c}{i}", c, "") for c in cats for i in range(per_cat)]
+
+
+def test_mix_ratio_zero_gives_domain_blocks():
+    order = mix_order(_stream(), 0.0, seed=5)
+    assert "".join(q.category for q in order) == "aaaabbbbcccc"
+
+
+def test_mix_ratio_one_switches_after_every_prompt():
+    order = mix_order(_stream(), 1.0, seed=5)
+    assert "".join(q.category for q in order) == "abcabcabcabc"
+    assert [q.question_id for q in order[:3]] == ["a0", "b0", "c0"]   # file order within a category
+
+
+def test_mixed_order_is_a_seeded_permutation():
+    qs = _stream(per_cat=6)
+    a, b = mix_order(qs, 0.5, seed=1), mix_order(qs, 0.5, seed=1)
+    assert a == b                                                    # deterministic for a seed
+    assert sorted(q.question_id for q in a) == sorted(q.question_id for q in qs)
+    assert mix_order(qs, 0.5, seed=2) != a                           # the seed matters
+    rate = bench.switch_rate(a)
+    assert bench.switch_rate(mix_order(qs, 0.0)) < rate < bench.switch_rate(mix_order(qs, 1.0))
+    for cat in "abc":                                                # within a category, file order kept
+        ids = [q.question_id for q in a if q.category == cat]
+        assert ids == sorted(ids)
+
+
+def test_select_limits_per_category():
+    qs = _stream(per_cat=3)
+    assert Counter(q.category for q in bench.select(qs, limit=2)) == {"a": 2, "b": 2, "c": 2}
+    assert {q.category for q in bench.select(qs, categories=["b"])} == {"b"}
+    with pytest.raises(ValueError, match="no questions"):
+        bench.select(qs, categories=["zzz"])
+    with pytest.raises(ValueError, match="mix ratio"):
+        mix_order(qs, 1.5)
+
+
+def test_questions_in_spec_bench_format(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": ["Hi?", "second turn"]}) + "\n\n")
+    assert bench.load_questions(p) == [Question(7, "qa", "Hi?")]
+    p.write_text('{"question_id": 1}\n')
+    with pytest.raises(ValueError, match="Spec-Bench question"):
+        bench.load_questions(p)
+    with pytest.raises(ValueError, match="unknown strategies"):
+        bench.parse_strategies("ar,fast")
+    assert bench.parse_strategies("knn,static") == ["ar", "knn", "static"]
+
+
+# --- scaling on the tiny model ------------------------------------------------------------------
+def test_scaling_runs_and_records_knapspec_choices(tiny, tiny_calibration, tmp_path):
+    from ssd_core import scaling
+    res = scaling.run_scaling(tiny, tiny_calibration, lengths=(128, 300), new_tokens=8, progress=False,
+                              sweep_contexts=(64, 256, 900))
+    assert res["lossless"]
+    assert [abs(p["prompt_tokens"] - p["target_tokens"]) <= 8 for p in res["points"]] == [True, True]
+    for p in res["points"]:
+        assert set(p["strategies"]) == {"ar", "knn", "knapspec"}
+        ks = p["strategies"]["knapspec"]["skip_sets"]
+        assert ks and {"attn", "mlp", "context_len"} <= set(ks[0])
+    assert [s["context_len"] for s in res["knapspec_sweep"]] == [64, 256, 900]
+    assert res["findings"]
+    written = scaling.write_outputs(res, tmp_path / "scaling")
+    assert (tmp_path / "scaling" / "scaling.json").exists() and (tmp_path / "scaling" / "scaling.html").exists()
+    assert "| knapspec |" in written["table"]
