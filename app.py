@@ -1,39 +1,788 @@
-"""KNN-SSD Studio — minimal app: streams autoregressive text from the embedded model."""
+"""KNN-SSD Studio — the Gradio app: self-speculative decoding, visualised.
+
+    python app.py [--model SPEC] [--calibration DIR]
+
+ssd_core produces the events (Start, Step), viz/ turns them into HTML and plotly figures, and this
+file only wires the two: shared read-only resources (Studio), per-browser-session state (Session),
+event handlers as plain generator functions, and the Blocks layout.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 import gradio as gr
 
+from ssd_core import calibration as cal_io
 from ssd_core.backbone import load_backbone
-from ssd_core.decode import DecodeConfig
-from ssd_core.generate import stream_text
+from ssd_core.decode import DecodeConfig, Start, decode
+from ssd_core.domains import DOMAINS, load_prompts, split
+from ssd_core.generate import summarize
+from ssd_core.skipset import SkipSet
+from ssd_core.strategies import Autoregressive
+from viz import benchmark as vbench
+from viz import cost as vcost
+from viz import domain_map as vmap
+from viz import layers as vlayers
+from viz import stats as vstats
+from viz import stepthrough as vwalk
+from viz import tokens as vtok
+from viz.theme import css_variables
+
+log = logging.getLogger("knn-ssd-studio")
+ROOT = Path(__file__).resolve().parent
+BENCH_DIR = ROOT / "assets" / "bench"
+STRATEGIES = {"KNN-SSD": "knn", "static set": "static", "KnapSpec": "knapspec", "oracle": "oracle",
+              "autoregressive": "ar"}
+LABELS = {v: k for k, v in STRATEGIES.items()}
+MAX_PROMPT_TOKENS = 1024
+QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
+SKIP = gr.skip
 
 
-def build(backbone):
-    def run(prompt: str, max_new_tokens: int):
-        if not prompt or not prompt.strip():
-            yield "Please type a prompt."
+# --- shared, read-mostly resources (one per process) --------------------------------------------
+@dataclass
+class Studio:
+    """What every session shares: the model, its calibration and the pre-built figures."""
+
+    backbone: object
+    spec: str | None
+    cal_folder: Path
+    examples: dict[str, list[str]]
+    bench: dict
+    calibration: object | None = None
+    cal_error: str = ""
+    domain_map: object | None = None
+    anchors: list = field(default_factory=list)
+    map_error: str = ""
+    timings: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def install(self, cal, domain_map=None, map_error: str = "") -> None:
+        """Swap in a (new) calibration and its domain map for every session."""
+        anchors = []
+        if domain_map is not None:
+            r = cal.router
+            anchors = vmap.anchor_traces(domain_map.coords, r.domains, r.texts, r.kinds)
+        with self.lock:
+            self.calibration, self.cal_error = cal, ""
+            self.domain_map, self.anchors, self.map_error = domain_map, anchors, map_error
+
+
+def _load_map(cal) -> tuple[object | None, str]:
+    try:
+        dm = cal.load_domain_map()
+        dm.warm()
+        return dm, ""
+    except Exception as exc:        # umap unusable or file changed: the app works without the map
+        return None, f"domain map unavailable: {exc}"
+
+
+def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
+                warm: bool = True, backbone=None) -> Studio:
+    """Load model, calibration and UMAP (the UMAP import runs in a thread while the model loads)."""
+    t0 = time.perf_counter()
+    folder = Path(calibration) if calibration else cal_io.default_folder(spec)
+    early: dict = {}
+
+    def prepare_map():             # umap's first import is the slow part; start it now
+        try:
+            early["cal"] = cal_io.load(folder)
+            early["map"] = _load_map(early["cal"])
+        except Exception as exc:
+            early["error"] = exc
+
+    helper = threading.Thread(target=prepare_map, daemon=True)
+    helper.start()
+    bb = backbone or load_backbone(spec, threads=threads)
+    t_model = time.perf_counter() - t0
+    prompts = load_prompts()
+    examples = {d: split(p)[1] or p for d, p in prompts.items()}
+    studio = Studio(bb, spec, folder, examples, read_bench(BENCH_DIR))
+    helper.join()
+    try:
+        cal = cal_io.load(folder, bb)
+        dm, err = early.get("map") or _load_map(cal)
+        studio.install(cal, dm, err)
+    except cal_io.CalibrationError as exc:
+        studio.cal_error = str(exc)
+    if warm:
+        warm_up(studio)
+    studio.timings = {"model_s": round(t_model, 2), "total_s": round(time.perf_counter() - t0, 2)}
+    return studio
+
+
+def warm_up(studio: Studio) -> None:
+    """One short decode and one of each figure, so a visitor's first click pays no first-call costs."""
+    prompt = next(iter(studio.examples.values()))[0]
+    for _ in generate(studio, None, prompt, "KNN-SSD", None, 6, 3, 0.0, 0.0, 1.0, 5):
+        pass
+
+
+def read_bench(folder: Path) -> dict:
+    """Whatever benchmark results are committed under assets/bench/ (nothing → empty dict)."""
+    out = {"summary": None, "summary_path": "", "core": None, "markdown": []}
+    for path in sorted(folder.glob("*/summary.json")):
+        try:
+            out["summary"], out["summary_path"] = json.loads(path.read_text()), _rel(path)
+            break
+        except (OSError, ValueError):
+            continue
+    core = folder / "core.json"
+    if core.exists():
+        try:
+            out["core"] = json.loads(core.read_text())
+        except (OSError, ValueError):
+            pass
+    out["markdown"] = [(_rel(p), p.read_text()) for p in sorted(folder.glob("**/*.md"))]
+    return out
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+# --- per-session state ---------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One generation as it happened: the request, the events and the time spent decoding."""
+
+    prompt: str
+    strategy: str
+    config: DecodeConfig
+    start: Start | None = None
+    steps: list = field(default_factory=list)
+    compute_s: float = 0.0
+    route: dict | None = None
+    route_used: bool = False
+    history: list = field(default_factory=list)      # [(step, SkipSet)] each time the set changed
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        first = (self.start.first_token,) if self.start else ()
+        return first + tuple(t for s in self.steps for t in s.committed)
+
+    @property
+    def stats(self):
+        return summarize(self.start, self.steps, self.compute_s) if self.start else None
+
+    @property
+    def skip(self):
+        return self.history[-1][1] if self.history else None
+
+
+@dataclass
+class Walk:
+    """Step-through state: a live decode advanced one step per click."""
+
+    events: object
+    prompt: str
+    skip_desc: str
+    ids: list = field(default_factory=list)
+    step: object | None = None
+    phase: str = "draft"
+    done: bool = False
+
+
+@dataclass
+class Session:
+    run: Run | None = None
+    race: vstats.RaceResult | None = None
+    walk: Walk | None = None
+    stop: bool = False
+    example_turn: dict = field(default_factory=dict)
+
+
+def _session(s) -> Session:
+    return s if isinstance(s, Session) else Session()
+
+
+# --- building a request -----------------------------------------------------------------------------
+def make_config(max_new, gamma, threshold, temperature, top_p) -> DecodeConfig:
+    return DecodeConfig(max_new_tokens=int(max_new), gamma=int(gamma), threshold=float(threshold),
+                        temperature=float(temperature), top_p=float(top_p), seed=0,
+                        max_prompt_tokens=MAX_PROMPT_TOKENS)
+
+
+def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | None):
+    cal = studio.calibration
+    if cal is None or name == "ar":
+        return _ar()
+    return cal.strategy(name, gamma=int(gamma), k=int(k), domain=domain or None)
+
+
+def _ar():
+    return Autoregressive()
+
+
+def _timed(events):
+    """Yield (event, seconds spent producing it): model time, without the UI's time between steps."""
+    while True:
+        t = time.perf_counter()
+        try:
+            ev = next(events)
+        except StopIteration:
             return
-        text = ""
-        for delta in stream_text(backbone, prompt, None, DecodeConfig(max_new_tokens=int(max_new_tokens))):
-            text += delta
-            yield text
+        yield ev, time.perf_counter() - t
 
+
+def _in_use(studio: Studio, run: Run, start: Start):
+    """The route to show and the first skip set, from the Start event."""
+    info = start.info or {}
+    cal = studio.calibration
+    route, used = info.get("route"), "route" in info
+    if route is None and cal is not None:   # show where KNN *would* send it, marked as not used
+        route = cal.router.route(start.embedding).to_dict()
+    skip = None
+    if "skip" in info and run.strategy != "ar":
+        skip = SkipSet.from_dict(info["skip"])
+    return route, used, skip
+
+
+# --- view helpers ----------------------------------------------------------------------------------
+def _tokens_view(studio: Studio, parts: list[str], status: str = "") -> str:
+    return vtok.stream_html("".join(parts), placeholder="The answer streams here, token by token.",
+                            status=status)
+
+
+def _layer_fig(studio: Studio, run: Run | None):
+    cal = studio.calibration
+    sets = cal.domain_sets if cal else {}
+    static = cal.static if cal else None
+    n = studio.backbone.n_layers
+    if run is None or run.skip is None:
+        return vlayers.layer_map(n, sets, static, height=260)
+    route = run.route or {}
+    domain = {"knn": (route.get("domain") or "static") if run.route_used else None,
+              "static": "static", "oracle": run.skip.name, "knapspec": "knapspec"}.get(run.strategy)
+    name = {"knn": f"{domain} set", "static": "static set", "oracle": f"{run.skip.name} set",
+            "knapspec": "KnapSpec set"}.get(run.strategy, run.skip.name)
+    return vlayers.layer_map(n, sets, static, in_use=run.skip, in_use_name=name, in_use_domain=domain,
+                             history=run.history, height=260)
+
+
+def _map_fig(studio: Studio, run: Run | None):
+    if studio.domain_map is None:
+        return vmap.domain_map([], height=260, title=studio.map_error or studio.cal_error[:90]
+                               or "no domain map")
+    if run is None or run.start is None:
+        return vmap.domain_map(studio.anchors, height=260)
+    xy = studio.domain_map.transform(run.start.embedding)
+    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=260)
+
+
+def _route_view(run: Run | None) -> str:
+    if run is None:
+        return vmap.route_html(None)
+    if run.route is None:
+        return vmap.route_html(None, run.strategy)
+    extra = "" if run.route_used else (' <span class="route-aside">(shown for comparison: '
+                                       f'{vtok.escape(LABELS[run.strategy])} does not route)</span>')
+    return vmap.route_html(run.route, run.strategy, extra)
+
+
+def _cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
+    """The cost panel and what-if chart for the last run (or the static set before any run)."""
+    cal = studio.calibration
+    if cal is None:
+        return ('<div class="cost">The cost panel needs a calibration (its latency model).</div>',
+                vcost.what_if_figure(4, 0.8, 1.3))
+    lat = cal.latency
+    skip = run.skip if run is not None and run.skip is not None else cal.static
+    gamma = run.config.gamma if run is not None else 4
+    stats = run.stats if run is not None else None
+    if stats is not None and stats.drafted:
+        alpha, source = stats.alpha, "this run"
+    else:
+        alpha, source = cal.acceptance().get(skip.name, cal.acceptance()["static"]), "calibration"
+    ctx = (run.start.prompt_len + stats.new_tokens // 2) if run is not None and run.start else 256
+    b = lat.breakdown(skip, alpha, gamma, ctx)
+    measured_speedup = None
+    if race is not None and run is not None and race.strategy == LABELS.get(run.strategy):
+        measured_speedup = race.speedup
+    full_s = (1.0 / race.ar_tokens_per_s) if race is not None and race.ar_tokens_per_s else lat.step_time(
+        SkipSet.empty(), ctx)
+    measured = vcost.measured_costs(run.steps, full_s) if run is not None else {}
+    label = LABELS.get(run.strategy, "static set") if run is not None else "static set (no run yet)"
+    html = vcost.cost_html(b, strategy=label, skip_name=skip.name or "chosen", alpha=alpha,
+                           tau=stats.tau if stats is not None and stats.drafted else None,
+                           measured_speedup=measured_speedup, measured=measured, alpha_source=source)
+    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], alpha)
+
+
+# --- handlers: Generate ------------------------------------------------------------------------------
+GEN_OUTPUTS = ("session", "tokens", "stats", "live", "route", "domain_plot", "layer_plot", "race", "cost",
+               "what_if")
+
+
+def _out(**changes):
+    """A tuple in GEN_OUTPUTS order; outputs not named are left as they are (gr.skip())."""
+    return tuple(changes[k] if k in changes else SKIP() for k in GEN_OUTPUTS)
+
+
+def _problem(prompt: str, make) -> tuple[str, object]:
+    """(error message, value): a bad prompt or setting becomes a message, never a traceback."""
+    if not prompt or not prompt.strip():
+        return "Type a prompt first (or click an example).", None
+    try:
+        return "", make()
+    except ValueError as exc:
+        return f"Setting not accepted: {exc}", None
+
+
+def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain, cfg: DecodeConfig, k: int):
+    """Decode and yield view updates (dicts); the finished Run is left in session.run."""
+    cal_note = ""
+    if studio.calibration is None and strategy != "ar":
+        cal_note = "No calibration for this model yet, so this runs autoregressively. "
+        strategy = "ar"
+    run = Run(prompt, strategy, cfg)
+    session.run, session.stop = run, False
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain)
+    bb = studio.backbone
+    eos = bb.eos_ids
+    parts: list[str] = []
+    live = partial(_live, cfg.gamma)
+    events = _timed(decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop))
+    for ev, dt in events:
+        run.compute_s += dt
+        if isinstance(ev, Start):
+            run.start = ev
+            run.route, run.route_used, skip = _in_use(studio, run, ev)
+            if skip is not None:
+                run.history.append((0, skip))
+            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, bb.token_str, eos)))
+            note = cal_note + ("The prompt was shortened to fit. " if ev.truncated else "")
+            yield dict(tokens=_tokens_view(studio, parts, "generating…"),
+                       stats=vstats.stats_html(run.stats, speculative=strategy != "ar", note=note),
+                       live=live([]), route=_route_view(run))
+            yield dict(domain_plot=_map_fig(studio, run), layer_plot=_layer_fig(studio, run))
+            continue
+        run.steps.append(ev)
+        update = {}
+        if ev.skip is not None and (run.skip is None or ev.skip != run.skip):
+            run.history.append((ev.index + 1, ev.skip))
+            update["layer_plot"] = _layer_fig(studio, run)
+        parts.append(vtok.tokens_html(vtok.step_tokens(ev, bb.token_str, eos)))
+        update.update(tokens=_tokens_view(studio, parts, "generating…"),
+                      stats=vstats.stats_html(run.stats, speculative=strategy != "ar", note=cal_note),
+                      live=live(run.steps))
+        yield update
+    stopped = session.stop
+    st = run.stats
+    done = (f"stopped after {st.new_tokens} tokens" if stopped else
+            f"done · {st.new_tokens} tokens in {len(run.steps)} steps · {st.wall_s:.2f} s model time")
+    yield dict(tokens=_tokens_view(studio, parts, done))
+
+
+def _live(gamma: int, steps) -> str:
+    lengths = [len(s.committed) for s in steps]
+    return (f'<div class="live">{vstats.accept_histogram_html(lengths, gamma)}'
+            f"{vstats.steps_strip_html(steps)}</div>")
+
+
+def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+             temperature, top_p, k):
+    """Generate: stream coloured tokens, stats and (when they change) the two figures."""
+    session = _session(session)
+    err, cfg = _problem(prompt, lambda: make_config(max_new, gamma, threshold, temperature, top_p))
+    if err:
+        yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
+        return
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    session.race = None
+    for update in _stream(studio, session, prompt.strip(), strategy, domain, cfg, int(k)):
+        yield _out(session=session, **update)
+    cost, what_if = _cost_view(studio, session.run, None)
+    yield _out(session=session, cost=cost, what_if=what_if,
+               race=vstats.race_html(None), stats=_final_stats(session))
+
+
+def _final_stats(session: Session) -> str:
+    run = session.run
+    return vstats.stats_html(run.stats, race=session.race, speculative=run.strategy != "ar")
+
+
+def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+         temperature, top_p, k):
+    """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
+    session = _session(session)
+    err, cfg = _problem(prompt, lambda: make_config(max_new, gamma, threshold, temperature, top_p))
+    if err:
+        yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
+        return
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    if strategy == "ar":
+        strategy = "knn" if studio.calibration is not None else "ar"
+    session.race = None
+    yield _out(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
+    for update in _stream(studio, session, prompt.strip(), strategy, domain, cfg, int(k)):
+        yield _out(session=session, **update)
+    run = session.run
+    if session.stop:
+        yield _out(session=session, race=vstats.race_html(None, running="race stopped"))
+        return
+    yield _out(session=session, race=vstats.race_html(None, running="2/2 · autoregressive running…"))
+    ar_ids, ar_time = [], 0.0
+    for ev, dt in _timed(decode(studio.backbone, prompt.strip(), _ar(), cfg, should_stop=lambda: session.stop)):
+        ar_time += dt
+        ar_ids.extend([ev.first_token] if isinstance(ev, Start) else ev.committed)
+        if len(ar_ids) % 16 == 0:
+            yield _out(session=session, race=vstats.race_html(
+                None, running=f"2/2 · autoregressive: {len(ar_ids)} of ≤ {cfg.max_new_tokens} tokens"))
+    if session.stop:
+        yield _out(session=session, race=vstats.race_html(None, running="race stopped"))
+        return
+    ids = run.token_ids
+    same = tuple(ar_ids) == ids
+    first_diff = None if same else next((i for i, (a, b) in enumerate(zip(ar_ids, ids)) if a != b),
+                                        min(len(ar_ids), len(ids)))
+    session.race = vstats.RaceResult(
+        strategy=LABELS[run.strategy], ar_tokens_per_s=len(ar_ids) / ar_time if ar_time else 0.0,
+        tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ar_ids), tokens=len(ids),
+        identical=same if cfg.greedy else None, first_difference=first_diff)
+    cost, what_if = _cost_view(studio, run, session.race)
+    yield _out(session=session, race=vstats.race_html(session.race), stats=_final_stats(session),
+               cost=cost, what_if=what_if)
+
+
+def stop(session):
+    """Stop: the running decode ends at its next step (the event is also cancelled by Gradio)."""
+    session = _session(session)
+    session.stop = True
+    return session
+
+
+def pick_example(studio: Studio, session, domain: str):
+    """An example button: the next held-out prompt of that domain (cycling), and the oracle's domain."""
+    session = _session(session)
+    prompts = studio.examples.get(domain) or [""]
+    i = session.example_turn.get(domain, 0)
+    session.example_turn[domain] = i + 1
+    return session, prompts[i % len(prompts)], domain
+
+
+def strategy_changed(strategy_label):
+    return gr.update(visible=STRATEGIES.get(strategy_label) == "oracle")
+
+
+def what_if(studio: Studio, session, gamma, verify):
+    """The cost tab's what-if chart at another γ / verify cost."""
+    session = _session(session)
+    cal = studio.calibration
+    run = session.run
+    c, alpha = 0.8, None
+    if cal is not None:
+        skip = run.skip if run is not None and run.skip is not None else cal.static
+        c = cal.latency.draft_cost(skip, 256)
+        stats = run.stats if run is not None else None
+        alpha = stats.alpha if stats is not None and stats.drafted else cal.acceptance()["static"]
+    return vcost.what_if_figure(int(gamma), c, float(verify), alpha)
+
+
+# --- handlers: Step through ---------------------------------------------------------------------------
+def _walk_view(studio: Studio, walk: Walk | None) -> str:
+    if walk is None:
+        return vwalk.walk_html("", None, "draft", studio.backbone.token_str)
+    if walk.done and walk.step is None:
+        return '<div class="walk idle">The answer is complete. Press <b>Start</b> for another prompt.</div>'
+    context = walk.prompt + "\n\n" + studio.backbone.decode(walk.ids)
+    return vwalk.walk_html(context, walk.step, walk.phase, studio.backbone.token_str, walk.skip_desc)
+
+
+def _advance(studio: Studio, walk: Walk) -> None:
+    """Commit the current step to the context and fetch the next one."""
+    if walk.step is not None:
+        walk.ids.extend(walk.step.committed)
+        if walk.step.finished:
+            walk.step, walk.done = None, True
+            return
+    walk.step = next(walk.events, None)
+    walk.phase = "draft"
+    if walk.step is None:
+        walk.done = True
+
+
+def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k):
+    session = _session(session)
+    if not prompt or not prompt.strip():
+        return session, '<div class="walk idle">Type a prompt first (or click an example).</div>'
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    if strategy == "ar" or studio.calibration is None:
+        strategy = "knn" if studio.calibration is not None else "ar"
+    cfg = DecodeConfig(max_new_tokens=256, gamma=int(gamma), max_prompt_tokens=MAX_PROMPT_TOKENS)
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain)
+    events = decode(studio.backbone, prompt.strip(), strat, cfg)
+    start = next(events)
+    route = (start.info or {}).get("route")
+    skip = (start.info or {}).get("skip")
+    desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
+            "sublayers" if route and skip else
+            f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
+    walk = Walk(events, prompt.strip(), desc, ids=[start.first_token])
+    _advance(studio, walk)
+    session.walk = walk
+    return session, _walk_view(studio, walk)
+
+
+def walk_phase(studio: Studio, session, phase: str):
+    session = _session(session)
+    if session.walk is not None and session.walk.step is not None:
+        session.walk.phase = phase
+    return session, _walk_view(studio, session.walk)
+
+
+def walk_next(studio: Studio, session):
+    session = _session(session)
+    if session.walk is not None and not session.walk.done:
+        _advance(studio, session.walk)
+    return session, _walk_view(studio, session.walk)
+
+
+def walk_auto(studio: Studio, session, steps: int = 8, pause: float = 0.9):
+    """Auto-play: draft → verify → accept → next, a pause between phases."""
+    session = _session(session)
+    walk = session.walk
+    if walk is None:
+        yield session, _walk_view(studio, None)
+        return
+    for _ in range(int(steps)):
+        for phase in vwalk.PHASES:
+            if walk.step is None:
+                return
+            walk.phase = phase
+            yield session, _walk_view(studio, walk)
+            time.sleep(pause)
+        _advance(studio, walk)
+        if walk.done:
+            yield session, _walk_view(studio, walk)
+            return
+
+
+# --- handlers: calibration ---------------------------------------------------------------------------
+def run_calibration(studio: Studio, progress=gr.Progress(track_tqdm=True)):
+    """Build a quick calibration for the loaded model (tqdm bars show as a progress bar), then load it."""
+    from ssd_core.calibrate import calibrate
+    progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
+    try:
+        cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,
+                        **QUICK_CALIBRATION)
+    except Exception as exc:
+        return gr.update(value=_banner(f"Calibration failed: {exc}"), visible=True), gr.update(visible=True)
+    dm, err = _load_map(cal)
+    studio.install(cal, dm, err)
+    return (gr.update(value=_banner(f"Calibration written to {studio.cal_folder} and loaded. Reload the page "
+                                    "to see the domain map and layer sets.", ok=True), visible=True),
+            gr.update(visible=False))
+
+
+def _banner(text: str, ok: bool = False) -> str:
+    return f'<div class="banner {"ok" if ok else "warn"}">{vtok.escape(text)}</div>'
+
+
+# --- layout ---------------------------------------------------------------------------------------------
+TOOLTIP_JS = """
+<script>
+(() => {
+  if (window.__ssdTip) return; window.__ssdTip = true;
+  const tip = document.createElement('div'); tip.className = 'ssd-tip'; tip.setAttribute('role', 'tooltip');
+  const place = (e) => { const r = e.getBoundingClientRect(); const w = tip.offsetWidth, h = tip.offsetHeight;
+    let x = Math.min(Math.max(8, r.left + r.width / 2 - w / 2), window.innerWidth - w - 8);
+    let y = r.top - h - 8; if (y < 8) y = r.bottom + 8; tip.style.left = x + 'px'; tip.style.top = y + 'px'; };
+  document.addEventListener('mouseover', (ev) => {
+    const el = ev.target.closest && ev.target.closest('[data-tip]'); if (!el) { tip.style.display = 'none'; return; }
+    if (!tip.isConnected) document.body.appendChild(tip);
+    tip.textContent = el.getAttribute('data-tip'); tip.style.display = 'block'; place(el); });
+  document.addEventListener('scroll', () => { tip.style.display = 'none'; }, true);
+})();
+</script>
+"""
+
+
+def header_html(studio: Studio) -> str:
+    d = studio.backbone.describe()
+    return ('<div class="app-header"><div class="app-title"><b>KNN-SSD Studio</b> · self-speculative decoding, '
+            f'visualised</div><div class="app-model">model: <b>{vtok.escape(d["model"])}</b> · {d["n_layers"]} '
+            f'layers · {d["params_m"]}M parameters · CPU</div><div class="app-explainer">The model drafts a few '
+            "tokens with some of its layers skipped, then checks itself in one pass of the full model — the "
+            "text stays exactly what plain decoding would write.</div></div>")
+
+
+ABOUT = """
+### The method in five sentences
+1. **Speculative decoding** drafts several tokens cheaply and verifies them in one parallel pass of the full
+   model; greedy verification keeps the output identical to plain decoding.
+2. **Self-speculative** decoding drafts with the *same* model while skipping some attention and MLP
+   sublayers — no second model is needed.
+3. Which sublayers can be skipped depends on the input's **domain**: a set tuned on summaries drafts badly
+   on maths.
+4. **KNN-SSD** searches one skip set per domain offline, embeds each prompt (the mean of the prefill's final
+   hidden states — no extra forward pass), finds its K nearest anchors and drafts with that domain's set.
+5. **KnapSpec** instead solves a knapsack: sublayers have measured latencies (attention grows with context),
+   hidden-state similarity stands in for acceptance, and a DP picks the set that maximises tokens per second.
+
+### Papers
+- KNN-SSD — [arXiv 2505.16162](https://arxiv.org/abs/2505.16162)
+- KnapSpec — [arXiv 2602.20217](https://arxiv.org/abs/2602.20217)
+- SWIFT, on-the-fly self-speculative decoding — [arXiv 2410.06916](https://arxiv.org/abs/2410.06916)
+- Draft & Verify — [arXiv 2309.08168](https://arxiv.org/abs/2309.08168)
+
+### Run it yourself
+```bash
+make run    # installs everything, then serves this app on the embedded SmolLM2-135M
+make test   # installs everything (incl. Debian's chromium), then runs the tests
+```
+Every speed shown is measured in this process against the core's own autoregressive loop, on the same
+prompt; on a 135M model on a CPU that is often *below* 1× — the **Why (not) faster?** tab explains why.
+"""
+
+
+def _css() -> str:
+    return css_variables() + (ROOT / "assets" / "app.css").read_text(encoding="utf-8")
+
+
+def build(studio: Studio) -> gr.Blocks:
+    """The whole UI, declared once; every event calls a handler above."""
+    cal = studio.calibration
+    first_examples = {d: p[0] for d, p in studio.examples.items()}
     with gr.Blocks(title="KNN-SSD Studio") as demo:
-        gr.Markdown(f"# KNN-SSD Studio\nmodel: {backbone.name} · {backbone.n_layers} layers")
-        prompt = gr.Textbox(label="Prompt", lines=3)
-        n = gr.Slider(8, 512, value=128, step=8, label="max new tokens")
-        out = gr.Textbox(label="Output", lines=10)
-        gr.Button("Generate", variant="primary").click(run, [prompt, n], out)
+        session = gr.State(None)
+        gr.HTML(header_html(studio), elem_id="header")
+        with gr.Row(visible=cal is None, elem_id="cal-row") as cal_row:
+            banner = gr.HTML(_banner("No calibration for this model: only autoregressive decoding is "
+                                     f"available. {studio.cal_error}") if cal is None else "")
+            cal_btn = gr.Button("Run calibration (quick, a few minutes)", variant="primary", scale=0,
+                                min_width=260)
+        with gr.Tabs():
+            with gr.Tab("Generate", id="generate"):
+                with gr.Row(equal_height=False):
+                    with gr.Column(scale=4, min_width=330, elem_id="controls"):
+                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, elem_id="prompt",
+                                            value=first_examples.get("math", ""))
+                        with gr.Row(elem_id="examples"):
+                            ex_buttons = {d: gr.Button(d, size="sm", min_width=60, elem_classes=["ex", f"ex-{d}"])
+                                          for d in studio.examples}
+                        strategy = gr.Radio(list(STRATEGIES), value="KNN-SSD" if cal else "autoregressive",
+                                            label="Strategy", elem_id="strategy")
+                        oracle_domain = gr.Dropdown(list(DOMAINS), value="math", label="oracle domain",
+                                                    visible=False)
+                        with gr.Accordion("Advanced: tokens, γ, threshold, sampling, K", open=False):
+                            max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens")
+                            gamma = gr.Slider(1, 12, value=4, step=1, label="draft length γ")
+                            threshold = gr.Slider(0, 1, value=0.0, step=0.05, label="stop threshold",
+                                                  info="stop drafting when the draft's top probability is below")
+                            temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)")
+                            top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top-p")
+                            k = gr.Slider(1, 15, value=cal.router.k if cal else 5, step=1, label="K neighbours")
+                        with gr.Row():
+                            gen_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+                            race_btn = gr.Button("Race vs AR", elem_id="race-btn")
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
+                        race_view = gr.HTML(vstats.race_html(None), elem_id="race")
+                    with gr.Column(scale=9, elem_id="outputs"):
+                        gr.HTML(vtok.legend_html(), elem_id="legend")
+                        tokens = gr.HTML(_tokens_view(studio, []), elem_id="tokens")
+                        with gr.Row(equal_height=True, elem_id="stats-row"):
+                            stats = gr.HTML(vstats.stats_html(None), elem_id="stats")
+                            live = gr.HTML(_live(4, []), elem_id="live")
+                        route = gr.HTML(_route_view(None), elem_id="route")
+                        with gr.Row(equal_height=True):
+                            domain_plot = gr.Plot(_map_fig(studio, None), show_label=False, elem_id="domain-map")
+                            layer_plot = gr.Plot(_layer_fig(studio, None), show_label=False, elem_id="layer-map")
+            with gr.Tab("Step through", id="walk"):
+                gr.Markdown("One click per phase of one speculative step. Uses the prompt, strategy and γ of "
+                            "the Generate tab (greedy).")
+                with gr.Row():
+                    w_start = gr.Button("Start", variant="primary", elem_id="walk-start")
+                    w_draft = gr.Button("1 · Draft", elem_id="walk-draft")
+                    w_verify = gr.Button("2 · Verify", elem_id="walk-verify")
+                    w_accept = gr.Button("3 · Accept", elem_id="walk-accept")
+                    w_next = gr.Button("Next step →", elem_id="walk-next")
+                    w_auto = gr.Button("▶ Auto-play", elem_id="walk-auto")
+                    w_stop = gr.Button("Stop", variant="stop")
+                walk_view = gr.HTML(_walk_view(studio, None), elem_id="walk")
+            with gr.Tab("Why (not) faster?", id="cost"):
+                cost_init, whatif_init = _cost_view(studio, None, None)
+                cost = gr.HTML(cost_init, elem_id="cost")
+                with gr.Row():
+                    wi_gamma = gr.Slider(1, 12, value=4, step=1, label="what if: draft length γ")
+                    wi_verify = gr.Slider(1.0, 2.5, step=0.01, label="what if: verify cost v (full steps)",
+                                          value=round(cal.latency.verify_cost(5), 2) if cal else 1.3)
+                what_if_plot = gr.Plot(whatif_init, show_label=False, elem_id="what-if")
+            with gr.Tab("Domains & layer sets", id="domains"):
+                if cal is not None:
+                    acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
+                    gr.Markdown(f"Each domain gets its own skip set (searched offline). Held-out routing accuracy "
+                                f"of the KNN router: **{acc:.0%}**, unknown-domain threshold "
+                                f"{cal.router.threshold:.2f}." if acc is not None else "")
+                    gr.Plot(vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
+                            show_label=False)
+                    gr.Plot(vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)), show_label=False)
+                else:
+                    gr.Markdown("No calibration yet: run it from the banner at the top.")
+            with gr.Tab("Benchmark", id="bench"):
+                b = studio.bench
+                gr.HTML(vbench.summary_html(b["summary"], b["summary_path"]) + vbench.core_html(b["core"]))
+                for path, text in b["markdown"]:
+                    with gr.Accordion(path, open=False):
+                        gr.Markdown(text)
+            with gr.Tab("About", id="about"):
+                gr.Markdown(ABOUT)
+
+        # --- wiring -------------------------------------------------------------------------------
+        gen_inputs = [session, prompt, strategy, oracle_domain, max_new, gamma, threshold, temperature, top_p, k]
+        gen_outputs = [session, tokens, stats, live, route, domain_plot, layer_plot, race_view, cost, what_if_plot]
+        model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="hidden")
+        gen_evt = gen_btn.click(partial(generate, studio), gen_inputs, gen_outputs, **model_lane)
+        sub_evt = prompt.submit(partial(generate, studio), gen_inputs, gen_outputs, **model_lane)
+        race_evt = race_btn.click(partial(race, studio), gen_inputs, gen_outputs, **model_lane)
+        for d, btn in ex_buttons.items():
+            btn.click(partial(pick_example, studio, domain=d), [session], [session, prompt, oracle_domain],
+                      queue=False, show_progress="hidden")
+        strategy.change(strategy_changed, strategy, oracle_domain, queue=False, show_progress="hidden")
+        walk_out = [session, walk_view]
+        w_start.click(partial(walk_start, studio), [session, prompt, strategy, oracle_domain, gamma, k], walk_out,
+                      **model_lane)
+        for btn, phase in ((w_draft, "draft"), (w_verify, "verify"), (w_accept, "accept")):
+            btn.click(partial(walk_phase, studio, phase=phase), [session], walk_out, queue=False,
+                      show_progress="hidden")
+        w_next.click(partial(walk_next, studio), [session], walk_out, **model_lane)
+        auto_evt = w_auto.click(partial(walk_auto, studio), [session], walk_out, **model_lane)
+        stop_btn.click(stop, [session], [session], cancels=[gen_evt, sub_evt, race_evt], queue=False)
+        w_stop.click(stop, [session], [session], cancels=[auto_evt], queue=False)
+        for ctl in (wi_gamma, wi_verify):
+            ctl.release(partial(what_if, studio), [session, wi_gamma, wi_verify], what_if_plot,
+                        show_progress="hidden")
+        cal_btn.click(partial(run_calibration, studio), None, [banner, cal_btn], concurrency_limit=1,
+                      concurrency_id="model")
     return demo
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
+    ap = argparse.ArgumentParser(description="KNN-SSD Studio: self-speculative decoding, visualised")
+    ap.add_argument("--model", default=None, help="HF id, local folder or .gguf (default: embedded SmolLM2-135M)")
+    ap.add_argument("--calibration", default=None,
+                    help="calibration folder (default: assets/calibration/<model slug>)")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    build(load_backbone(args.model, threads=2)).queue(default_concurrency_limit=2).launch()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    studio = load_studio(args.model, args.calibration, threads=args.threads)
+    demo = build(studio)
+    print(f"start-up: {time.perf_counter() - t0:.1f} s (model {studio.timings['model_s']} s); "
+          f"calibration: {'loaded from ' + str(studio.cal_folder) if studio.calibration else studio.cal_error}",
+          flush=True)
+    demo.queue(default_concurrency_limit=4).launch(css=_css(), head=TOOLTIP_JS, theme=gr.themes.Base(
+        primary_hue="green", neutral_hue="slate", font=["Inter", "ui-sans-serif", "system-ui", "sans-serif"]))
 
 
 if __name__ == "__main__":

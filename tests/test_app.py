@@ -1,0 +1,263 @@
+"""The app's handlers and views, driven directly (no browser): the tiny model and its calibration."""
+import json
+
+import gradio as gr
+import pytest
+
+import app
+from ssd_core.decode import Step
+from ssd_core.generate import generate as core_generate
+from ssd_core.skipset import SkipSet
+from ssd_core.strategies import Autoregressive
+from viz import benchmark as vbench
+from viz import cost as vcost
+from viz import layers as vlayers
+from viz import stepthrough as vwalk
+from viz import theme
+from viz import tokens as vtok
+
+PROMPT = "Translate German to English: Guten Morgen, wie geht es dir?"
+SETTINGS = dict(domain="translation", max_new=32, gamma=3, threshold=0.0, temperature=0.0, top_p=1.0, k=5)
+
+
+@pytest.fixture(scope="module")
+def studio(tiny, tiny_calibration):
+    return app.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+
+
+def run(handler, studio, strategy="KNN-SSD", prompt=PROMPT, session=None, **kw):
+    s = {**SETTINGS, **kw}
+    return list(handler(studio, session, prompt, strategy, s["domain"], s["max_new"], s["gamma"],
+                        s["threshold"], s["temperature"], s["top_p"], s["k"]))
+
+
+def column(outputs, name):
+    """Every value one output received, leaving out gr.skip() (= 'unchanged')."""
+    i = app.GEN_OUTPUTS.index(name)
+    return [o[i] for o in outputs if o[i] != gr.skip()]
+
+
+def a_step(**kw):
+    base = dict(index=2, context_len=40, drafted=(10, 11, 12), draft_probs=(0.9, 0.8, 0.4),
+                verified=(10, 11, 20, 21), accepted=2, committed=(10, 11, 20), skip=SkipSet({3}, {4}, "math"),
+                draft_s=0.01, verify_s=0.02, overhead_s=0.001)
+    base.update(kw)
+    return Step(**base)
+
+
+# --- views ---------------------------------------------------------------------------------------
+def test_a_step_reads_in_the_order_it_happened():
+    names = {10: " the", 11: " cat", 12: " sat", 20: " is"}
+    toks = vtok.step_tokens(a_step(), names.get)
+    assert [(t.text, t.kind) for t in toks] == [(" the", "accepted"), (" cat", "accepted"),
+                                                (" sat", "rejected"), (" is", "verifier")]
+    assert toks[0].tip.startswith("step 3") and "p = 0.90" in toks[0].tip
+    assert "verifier chose “ is”" in toks[2].tip and "p = 0.40" in toks[2].tip
+    assert "replaces rejected draft “ sat”" in toks[3].tip
+    html = vtok.tokens_html(toks)
+    assert html.count('class="tok acc"') == 2 and 'class="tok rej"' in html and 'class="tok ver"' in html
+
+
+def test_full_accept_gives_a_bonus_token_and_ar_steps_are_blue():
+    full = a_step(accepted=3, verified=(10, 11, 12, 30), committed=(10, 11, 12, 30))
+    toks = vtok.step_tokens(full, str)
+    assert [t.kind for t in toks] == ["accepted"] * 3 + ["verifier"] and "bonus" in toks[-1].tip
+    ar = a_step(drafted=(), draft_probs=(), verified=(5,), accepted=0, committed=(5,), skip=None)
+    assert [(t.kind, "autoregressive" in t.tip) for t in vtok.step_tokens(ar, str)] == [("verifier", True)]
+
+
+def test_token_text_cannot_inject_markup_or_templates():
+    html = vtok.token_html(vtok.Token("<b>{{x}} ${y}</b>", "accepted", 1, "tip"))
+    assert "<b>" not in html and "{{" not in html and "${" not in html
+    assert "&#123;&#123;x&#125;&#125;" in html
+
+
+def test_the_three_token_kinds_meet_wcag_aa_and_differ_beyond_hue():
+    for k in theme.KINDS.values():
+        assert theme.contrast_ratio(k.ink, k.tint) >= 4.5, k.name
+    assert (theme.ACCEPTED.key, theme.REJECTED.key, theme.VERIFIER.key) == ("#2e9d5b", "#c0392b", "#2f6db5")
+    css = theme.css_variables()
+    assert "line-through" in css and "underline" in css
+    assert "Legend" not in vtok.legend_html() and "struck through" in vtok.legend_html()
+
+
+def test_layer_map_shows_the_set_in_use_above_every_domain_set(tiny_calibration):
+    cal = tiny_calibration
+    n = cal.latency.n_layers
+    fig = vlayers.layer_map(n, cal.domain_sets, cal.static, in_use=cal.domain_sets["math"],
+                            in_use_name="math set", in_use_domain="math")
+    labels = fig.layout.yaxis.ticktext
+    assert len(labels) == 2 * (1 + len(cal.domain_sets) + 1)
+    assert "in use" in labels[0] and len(fig.data) == 2
+    changing = [(0, SkipSet({1}, set(), "knapspec")), (32, SkipSet({2, 3}, {1}, "knapspec"))]
+    fig2 = vlayers.layer_map(n, cal.domain_sets, cal.static, in_use=changing[-1][1], history=changing)
+    assert any(getattr(t, "yaxis", None) == "y2" for t in fig2.data)   # the per-step strip
+    assert vlayers.layer_map(n).layout.annotations                     # nothing to show, said in words
+
+
+def test_cost_model_numbers_are_consistent():
+    assert vcost.speedup(0.0, 0.5, 1.0, 4) == pytest.approx(1 / 3)
+    assert vcost.speedup(1.0, 0.1, 1.0, 4) == pytest.approx(5 / 1.4, rel=1e-6)
+    assert vcost.break_even(0.9, 1.5, 4) is None
+    be = vcost.break_even(0.3, 1.0, 4)
+    assert 0 < be < 1 and vcost.speedup(be, 0.3, 1.0, 4) >= 1.0
+
+
+def test_step_through_phases_reveal_more_each_click():
+    step = a_step()
+    names = {10: " the", 11: " cat", 12: " sat", 20: " is", 21: " on"}
+    draft = vwalk.walk_html("ctx", step, "draft", names.get)
+    verify = vwalk.walk_html("ctx", step, "verify", names.get)
+    accept = vwalk.walk_html("ctx", step, "accept", names.get)
+    assert "verifier</th>" not in draft and "pbar" in draft and "0.40" in draft
+    assert "verifier</th>" in verify and "verdict" not in verify
+    assert 'class="rej"' in accept and "✗" in accept and accept.count('class="match"') == 2
+    with pytest.raises(ValueError):
+        vwalk.walk_html("ctx", step, "later", names.get)
+
+
+def test_benchmark_view_without_and_with_results(tmp_path):
+    assert "No benchmark committed yet" in vbench.summary_html(None)
+    (tmp_path / "run").mkdir()
+    summary = {"model": "m", "lossless": True, "strategies": {
+        "ar": {"tokens_per_s": 20.0, "speedup": 1.0, "tau": 1.0, "alpha": 0.0},
+        "knn": {"tokens_per_s": 18.0, "speedup": 0.9, "tau": 2.1, "alpha": 0.5,
+                "per_category": {"math": {"speedup": 0.8}}}}, "routing": {"math": {"math": 3}}}
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "core.json").write_text(json.dumps({"model": "m", "tokens_per_s": {"core_ar": 25.0}}))
+    (tmp_path / "run" / "results.md").write_text("| a |\n|---|\n| 1 |\n")
+    bench = app.read_bench(tmp_path)
+    html = vbench.summary_html(bench["summary"]) + vbench.core_html(bench["core"])
+    assert "KNN-SSD" in html and "0.90×" in html and "✓" in html and "25.0" in html
+    assert bench["markdown"][0][1].startswith("| a |")
+    assert app.read_bench(tmp_path / "nothing") == {"summary": None, "summary_path": "", "core": None,
+                                                     "markdown": []}
+
+
+# --- handlers ------------------------------------------------------------------------------------------
+def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(studio, tiny):
+    outs = run(app.generate, studio, "KNN-SSD")
+    tokens = column(outs, "tokens")
+    assert 'class="tok ver"' in tokens[0]            # the prefill's token is the first thing shown
+    assert len(tokens) >= 4
+    assert len(column(outs, "domain_plot")) == 1 and len(column(outs, "layer_plot")) == 1
+    assert len(column(outs, "cost")) == 1 and len(column(outs, "what_if")) == 1
+    session = outs[-1][0]
+    route = session.run.route
+    assert session.run.route_used and route["neighbours"] and "routed to" in column(outs, "route")[0]
+    ar = core_generate(tiny, PROMPT, Autoregressive(), max_new_tokens=32)
+    assert session.run.token_ids == ar.token_ids        # what was streamed is what AR writes
+    assert "done" in tokens[-1]
+
+
+def test_every_strategy_runs_from_the_ui(studio):
+    for label in app.STRATEGIES:
+        outs = run(app.generate, studio, label)
+        r = outs[-1][0].run
+        assert r.strategy == app.STRATEGIES[label] and r.stats.new_tokens > 0
+        if label == "autoregressive":
+            assert r.skip is None and all(not s.drafted for s in r.steps)
+        else:
+            assert r.skip is not None and any(s.drafted for s in r.steps)
+
+
+def test_knapspec_resends_the_layer_map_when_its_set_changes(studio):
+    outs = run(app.generate, studio, "KnapSpec", max_new=96)
+    r = outs[-1][0].run
+    assert len(column(outs, "layer_plot")) == 1 + len(r.history)   # the empty one at start, then each change
+    assert r.history[0][1].name == "knapspec"
+
+
+def test_race_measures_both_and_checks_losslessness(studio):
+    outs = run(app.race, studio, "static set")
+    race = outs[-1][0].race
+    assert race.identical is True and race.tokens == race.ar_tokens
+    assert race.speedup == pytest.approx(race.tokens_per_s / race.ar_tokens_per_s)
+    assert "✓ identical" in column(outs, "race")[-1]
+    assert f"{race.speedup:.2f}×" in column(outs, "stats")[-1]
+    assert "measured" in column(outs, "cost")[-1]
+    sampled = run(app.race, studio, "static set", temperature=0.8)[-1][0].race
+    assert sampled.identical is None                    # sampling: lossless is about distributions
+
+
+def test_stop_ends_the_decode_at_the_next_step(studio):
+    gen = app.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
+    first = next(gen)
+    session = first[0]
+    app.stop(session)
+    rest = list(gen)
+    assert session.run.stats.new_tokens < 64
+    assert "stopped" in column(rest, "tokens")[-1]
+
+
+def test_bad_input_becomes_a_message_not_a_traceback(studio):
+    outs = run(app.generate, studio, "KNN-SSD", prompt="   ")
+    assert len(outs) == 1 and "Type a prompt" in outs[0][1]
+    outs = run(app.generate, studio, "KNN-SSD", top_p=0.0)
+    assert "Setting not accepted" in outs[0][1] and "top_p" in outs[0][1]
+
+
+def test_examples_cycle_through_held_out_prompts(studio):
+    s, first, dom = app.pick_example(studio, None, domain="math")
+    s, second, _ = app.pick_example(studio, s, domain="math")
+    assert dom == "math" and first in studio.examples["math"] and second in studio.examples["math"]
+    assert (first != second) == (len(studio.examples["math"]) > 1)
+    assert app.strategy_changed("oracle")["visible"] is True
+
+
+def test_step_through_walks_draft_verify_accept_next(studio):
+    s, html = app.walk_start(studio, None, PROMPT, "KNN-SSD", None, 3, 5)
+    assert "phase: <b>draft</b>" in html and s.walk.step is not None
+    s, html = app.walk_phase(studio, s, phase="verify")
+    assert "verifier</th>" in html
+    s, html = app.walk_phase(studio, s, phase="accept")
+    assert "verdict" in html
+    index = s.walk.step.index
+    s, html = app.walk_next(studio, s)
+    assert s.walk.step.index == index + 1 and "phase: <b>draft</b>" in html
+    frames = list(app.walk_auto(studio, s, steps=2, pause=0))
+    assert [f[1].split("phase: <b>")[1][:6] for f in frames[:3]] == ["draft<", "verify", "accept"]
+
+
+def test_sessions_do_not_share_state(studio):
+    a = run(app.generate, studio, "KNN-SSD")[-1][0]
+    b = run(app.generate, studio, "static set", prompt="Write a SQL query that counts rows.")[-1][0]
+    assert a is not b and a.run.prompt == PROMPT and b.run.strategy == "static"
+
+
+def test_cost_panel_explains_the_last_run(studio):
+    outs = run(app.generate, studio, "KNN-SSD")
+    html = column(outs, "cost")[-1]
+    for words in ("draft cost c", "verify cost v", "expected tokens per step", "predicted speedup",
+                  "Race vs AR"):
+        assert words in html
+    fig = app.what_if(studio, outs[-1][0], 6, 1.1)
+    assert "γ = 6" in fig.layout.title.text and any(t.type == "contour" for t in fig.data)
+
+
+def test_app_without_calibration_runs_autoregressive_and_offers_one(tiny, tiny_calibration, tmp_path,
+                                                                    monkeypatch):
+    bare = app.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
+    assert bare.calibration is None and "python -m ssd_core.calibrate" in bare.cal_error
+    outs = run(app.generate, bare, "KNN-SSD")
+    assert outs[-1][0].run.strategy == "ar" and "No calibration" in column(outs, "stats")[0]
+    demo = app.build(bare)
+    assert isinstance(demo, gr.Blocks)
+    import ssd_core.calibrate
+    calls = []
+    monkeypatch.setattr(ssd_core.calibrate, "calibrate",
+                        lambda *a, **kw: calls.append(kw) or tiny_calibration)
+    banner, button = app.run_calibration(bare, progress=lambda *a, **kw: None)
+    assert calls and calls[0]["backbone"] is tiny and "loaded" in banner["value"]
+    assert bare.calibration is tiny_calibration and button["visible"] is False
+
+
+def test_the_layout_has_every_part(studio):
+    demo = app.build(studio)
+    ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
+    for part in ("prompt", "strategy", "generate-btn", "race-btn", "stop-btn", "tokens", "legend", "stats",
+                 "live", "route", "domain-map", "layer-map", "walk", "cost", "what-if"):
+        assert part in ids, part
+    labels = {c.get("props", {}).get("label") for c in demo.config["components"]}
+    assert {"Generate", "Step through", "Why (not) faster?", "Domains & layer sets", "Benchmark",
+            "About"} <= labels

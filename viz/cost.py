@@ -1,0 +1,138 @@
+"""The cost panel: why the measured speedup is what it is, from the latency model.
+
+speedup = E[tokens per step] / (γ·c + v): c is one draft step and v one verification pass, both
+relative to one full autoregressive step, and E = (1 − α^(γ+1)) / (1 − α) for acceptance α.
+"""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .theme import ACCEPTED, INK, MUTED, REJECTED, base_layout
+from .tokens import escape
+
+GPU_VERIFY = 1.03     # a large model on a GPU: verifying γ+1 tokens costs about one step (memory-bound)
+
+
+def expected_tokens(alpha, gamma: int):
+    a = np.clip(np.asarray(alpha, dtype=float), 0.0, 1.0 - 1e-9)
+    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
+
+
+def speedup(alpha, c, v, gamma: int):
+    return expected_tokens(alpha, gamma) / (gamma * np.asarray(c, dtype=float) + v)
+
+
+def break_even(c: float, v: float, gamma: int) -> float | None:
+    """Smallest acceptance with speedup ≥ 1 (None: even α = 1 loses)."""
+    grid = np.linspace(0, 1, 2001)
+    ok = speedup(grid, c, v, gamma) >= 1.0
+    return float(grid[np.argmax(ok)]) if ok.any() else None
+
+
+def measured_costs(steps, full_step_s: float) -> dict:
+    """c and v as this run measured them: mean draft-token and verify times over one full step."""
+    drafted = sum(len(s.drafted) for s in steps)
+    spec = [s for s in steps if s.speculative]
+    if not spec or full_step_s <= 0:
+        return {}
+    draft_s = sum(s.draft_s for s in spec)
+    verify_s = sum(s.verify_s for s in spec)
+    overhead_s = sum(s.overhead_s for s in spec)
+    return {"c": (draft_s / drafted) / full_step_s if drafted else None,
+            "v": (verify_s / len(spec)) / full_step_s,
+            "overhead": (overhead_s / len(spec)) / full_step_s,
+            "drafts_per_step": drafted / len(spec)}
+
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return (f"<tr><th>{escape(label)}</th><td>{escape(value)}</td>"
+            f'<td class="note">{escape(note)}</td></tr>')
+
+
+def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, tau: float | None,
+              measured_speedup: float | None = None, measured: dict | None = None,
+              alpha_source: str = "this run") -> str:
+    """b: LatencyModel.breakdown(...) for the set in use at this run's acceptance."""
+    g, c, v, e = b["gamma"], b["draft_cost"], b["verify_cost"], b["expected_tokens"]
+    step = b["step_cost"]
+    pred = b["predicted_speedup"]
+    best = (g + 1) / step
+    be = break_even(c, v, g)
+    m = measured or {}
+    rows = [
+        _row("draft cost c", f"{c:.2f} of a full step",
+             f"{b['draft_step_ms']:.1f} ms vs {b['full_step_ms']:.1f} ms per full step (latency model"
+             f", context {b['context_len']})" + (f"; this run measured {m['c']:.2f}" if m.get("c") else "")),
+        _row("verify cost v", f"{v:.2f} full steps", f"one pass over {g + 1} tokens"
+             + (f"; this run measured {m['v']:.2f}" if m.get("v") else "")),
+        _row("one step costs", f"γ·c + v = {g}·{c:.2f} + {v:.2f} = {step:.2f}", "full steps of time"),
+        _row("expected tokens per step", f"E = {e:.2f}",
+             f"at α = {alpha:.2f} ({alpha_source})" + (f"; measured τ = {tau:.2f}" if tau else "")
+             if alpha is not None else ""),
+        _row("predicted speedup", f"E / (γ·c + v) = {pred:.2f}×", ""),
+        _row("measured speedup", f"{measured_speedup:.2f}×" if measured_speedup is not None else "–",
+             "race against autoregressive, same prompt, same process" if measured_speedup is not None
+             else "press “Race vs AR” on the Generate tab to measure it"),
+        _row("best case (every draft accepted)", f"{best:.2f}×",
+             "break-even needs α ≥ " + f"{be:.2f}" if be is not None else "even α = 1 cannot beat autoregressive"),
+    ]
+    fixed = b["head_ms"] + b["overhead_ms"]
+    why = (f"On this machine a full step is {b['full_step_ms']:.1f} ms, of which {fixed:.1f} ms "
+           f"(lm_head {b['head_ms']:.1f} ms + per-forward overhead {b['overhead_ms']:.1f} ms) is paid by every "
+           f"draft step no matter how many layers it skips; an attention sublayer costs {b['attn_ms']:.2f} ms and "
+           f"an MLP {b['mlp_ms']:.2f} ms. Skipping part of a 135M model therefore saves little (c = {c:.2f}), "
+           f"and checking {g + 1} tokens at once is not free on a CPU (v = {v:.2f}). "
+           "On a GPU a large model is memory-bound: verifying a few tokens costs about one step (v ≈ 1), "
+           "and skipping half the layers nearly halves a draft step — that is where self-speculation wins.")
+    verdict_cls = "good" if (measured_speedup or pred) >= 1 else "bad"
+    head = (f'<div class="cost-head {verdict_cls}">{escape(strategy)} with the {escape(skip_name)} set: '
+            f"predicted {pred:.2f}×" + (f", measured {measured_speedup:.2f}×" if measured_speedup is not None
+                                         else "") + "</div>")
+    return (f'<div class="cost">{head}<table class="cost-table">{"".join(rows)}</table>'
+            f'<p class="cost-why">{escape(why)}</p></div>')
+
+
+def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float | None = None,
+                   v_big: float = GPU_VERIFY, height: int = 380) -> go.Figure:
+    """Predicted speedup over (acceptance, draft cost): this CPU's verify cost vs a GPU-scale one."""
+    alphas = np.linspace(0, 1, 51)
+    cs = np.linspace(0.05, 1.0, 40)
+    A, C = np.meshgrid(alphas, cs)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
+        f"this model on this CPU · v = {v_here:.2f}", f"large model on a GPU · v ≈ {v_big:.2f}"))
+    scale = [[0.0, REJECTED.key], [1 / 3, "#fbe3e0"], [1 / 3 + 1e-3, "#f4fbf6"], [1.0, ACCEPTED.key]]
+    for col, v in ((1, v_here), (2, v_big)):
+        z = speedup(A, C, v, gamma)
+        fig.add_trace(go.Contour(
+            x=alphas, y=cs, z=np.round(z, 3).tolist(), zmin=0, zmax=3, colorscale=scale,
+            contours=dict(start=0.25, end=3.0, size=0.25, showlabels=True,
+                          labelfont=dict(size=9, color=INK)),
+            line=dict(width=0.5, color="rgba(31,41,51,0.25)"), showscale=col == 2,
+            colorbar=dict(title=dict(text="speedup ×", side="right"), thickness=10, len=0.85),
+            hovertemplate="acceptance %{x:.2f}<br>draft cost c %{y:.2f}<br>predicted %{z:.2f}×<extra></extra>"),
+            row=1, col=col)
+        fig.add_trace(go.Contour(
+            x=alphas, y=cs, z=np.round(z, 3).tolist(), contours=dict(start=1, end=1, size=1, coloring="none",
+                                                                     showlabels=False),
+            line=dict(width=2.5, color=INK), showscale=False, hoverinfo="skip"), row=1, col=col)
+    if alpha_here is not None:
+        for col in (1, 2):
+            fig.add_trace(go.Scatter(
+                x=[alpha_here], y=[c_here], mode="markers+text", text=["this run"],
+                textposition="top center", textfont=dict(size=10, color=INK),
+                marker=dict(symbol="star", size=15, color=INK, line=dict(color="#fff", width=1)),
+                hovertemplate=(f"acceptance {alpha_here:.2f}, c {c_here:.2f}<br>predicted "
+                               f"{float(speedup(alpha_here, c_here, v_here if col == 1 else v_big, gamma)):.2f}×"
+                               "<extra></extra>")), row=1, col=col)
+    fig.update_layout(**base_layout(f"What if? Predicted speedup at γ = {gamma} · black line = break-even (1×)",
+                                    height))
+    fig.update_layout(margin=dict(l=50, r=10, t=60, b=45))
+    for col in (1, 2):
+        fig.update_xaxes(title_text="acceptance α", range=[0, 1], row=1, col=col, fixedrange=True)
+        fig.update_yaxes(title_text="draft cost c" if col == 1 else None, range=[0.05, 1], row=1, col=col,
+                         fixedrange=True)
+    for a in fig.layout.annotations:
+        a.font = dict(size=11, color=MUTED)
+    return fig

@@ -1,0 +1,111 @@
+"""The domain map: a UMAP of the router's anchors coloured by domain, with the prompt as a star and
+lines to its K nearest anchors, and the routing decision in words."""
+from __future__ import annotations
+
+import textwrap
+
+import plotly.graph_objects as go
+
+from .theme import INK, base_layout, domain_color, domain_symbol
+from .tokens import escape
+
+PROMPT_COLOR = "#111827"
+
+
+def _wrap(text: str, width: int = 64, lines: int = 4) -> str:
+    text = " ".join(str(text).split())
+    parts = textwrap.wrap(text, width)[:lines]
+    if len(textwrap.wrap(text, width)) > lines:
+        parts[-1] = parts[-1][: width - 1] + "…"
+    return "<br>".join(escape(p) for p in parts)
+
+
+def anchor_traces(coords, domains, texts, kinds) -> list[go.Scatter]:
+    """One trace per domain (legend entry); centroids are bigger open markers."""
+    order = list(dict.fromkeys(domains))
+    traces = []
+    for i, d in enumerate(order):
+        rows = [r for r, dom in enumerate(domains) if dom == d]
+        hover = [(f"<b>{escape(d)}</b> · centroid (mean of a cluster)" if kinds[r] == "centroid"
+                  else f"<b>{escape(d)}</b> · calibration prompt<br>{_wrap(texts[r])}") for r in rows]
+        sym = domain_symbol(d)
+        hollow = sym if sym.endswith("-open") or sym in ("cross", "x") else sym + "-open"
+        traces.append(go.Scatter(
+            x=[float(coords[r][0]) for r in rows], y=[float(coords[r][1]) for r in rows],
+            mode="markers", name=d, legendgroup=d, text=hover, hovertemplate="%{text}<extra></extra>",
+            marker=dict(color=domain_color(d, i), size=[11 if kinds[r] == "centroid" else 6 for r in rows],
+                        symbol=[hollow if kinds[r] == "centroid" else sym for r in rows],
+                        opacity=0.8, line=dict(width=0))))
+    return traces
+
+
+def domain_map(anchors: list, coords=None, prompt_xy=None, route: dict | None = None,
+               prompt_text: str = "", height: int = 300, title: str | None = None) -> go.Figure:
+    """The map with the prompt (star) and lines to its K nearest anchors (from route['neighbours'])."""
+    fig = go.Figure(data=list(anchors))
+    neighbours = (route or {}).get("neighbours", [])
+    if prompt_xy is not None and coords is not None and neighbours:
+        px, py = prompt_xy
+        lx, ly, nx, ny, ntext, ncolor = [], [], [], [], [], []
+        for rank, n in enumerate(neighbours, 1):
+            x, y = (float(v) for v in coords[n["index"]])
+            lx += [px, x, None]
+            ly += [py, y, None]
+            nx.append(x), ny.append(y), ncolor.append(domain_color(n["domain"]))
+            what = _wrap(n["text"]) if n.get("text") else "cluster centroid"
+            ntext.append(f"<b>neighbour {rank}</b> · {escape(n['domain'])} · similarity "
+                         f"{n['similarity']:.3f}<br>{what}")
+        fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines", hoverinfo="skip", showlegend=False,
+                                 line=dict(color="#52606d", width=1.2, dash="dot")))
+        fig.add_trace(go.Scatter(x=nx, y=ny, mode="markers", text=ntext, showlegend=False,
+                                 hovertemplate="%{text}<extra></extra>",
+                                 marker=dict(size=13, color="rgba(0,0,0,0)",
+                                             line=dict(color=ncolor, width=2.5))))
+    if prompt_xy is not None:
+        fig.add_trace(go.Scatter(
+            x=[prompt_xy[0]], y=[prompt_xy[1]], mode="markers", name="your prompt",
+            text=[f"<b>your prompt</b><br>{_wrap(prompt_text)}"], hovertemplate="%{text}<extra></extra>",
+            marker=dict(symbol="star", size=20, color=PROMPT_COLOR, line=dict(color="#ffffff", width=1.5))))
+    if title is None:
+        title = ("Domain map · UMAP of the router's anchors" if prompt_xy is None
+                 else "Domain map · ★ your prompt, dotted lines to its nearest anchors")
+    layout = base_layout(title, height, showlegend=True)
+    layout["legend"] = dict(orientation="h", x=0, y=0, yanchor="bottom", font=dict(size=9, color=INK),
+                            bgcolor="rgba(255,255,255,0.7)", itemclick="toggleothers", itemsizing="constant")
+    fig.update_layout(**layout)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False, scaleanchor=None)
+    return fig
+
+
+def route_html(route: dict | None, strategy: str = "knn", extra: str = "") -> str:
+    """The routing decision in words."""
+    if route is None:
+        words = {"static": "static set: the same skip set for every prompt (no routing)",
+                 "knapspec": "KnapSpec: no routing; a knapsack picks sublayers from live costs",
+                 "oracle": "oracle: the domain you picked, no routing",
+                 "ar": "autoregressive: no drafts, no routing"}.get(strategy, "")
+        body = escape(words or "the routing decision appears after the prompt's prefill")
+        return f'<div class="route idle">{body}{extra}</div>'
+    if route.get("unknown"):
+        cls, head = "unknown", (f"unknown → static set · best similarity {route['similarity']:.2f} is below "
+                                f"the threshold {route['threshold']:.2f}")
+    else:
+        d = route["domain"]
+        agree = sum(n["domain"] == d for n in route["neighbours"])
+        cls = "known"
+        head = (f'<span class="dom-dot" style="background:{domain_color(d)}"></span>routed to '
+                f"<b>{escape(d)}</b> · {agree}/{len(route['neighbours'])} neighbour votes · "
+                f"nearest similarity {route['similarity']:.2f}")
+        return f'<div class="route {cls}">{head}{_votes(route)}{extra}</div>'
+    return f'<div class="route {cls}">{escape(head)}{_votes(route)}{extra}</div>'
+
+
+def _votes(route: dict) -> str:
+    votes = sorted(route.get("votes", {}).items(), key=lambda kv: -kv[1])
+    if not votes:
+        return ""
+    unit = "votes" if route.get("vote") == "majority" else "similarity-weighted votes"
+    parts = " · ".join(f"{escape(d)} {v:.2f}" if unit != "votes" else f"{escape(d)} {v:.0f}" for d, v in votes)
+    return f'<div class="route-votes">{unit}: {parts}</div>'
+

@@ -1,0 +1,174 @@
+"""Layer maps: which attention / MLP sublayers a skip set leaves out, for the set in use and for
+every domain side by side, plus a per-step strip when the set changes during a run (KnapSpec)."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from .theme import INK, MUTED, RUN, SKIPPED, base_layout, domain_color
+
+
+def _discrete_scale(colors: list[str]) -> list:
+    """A colorscale where integer z = i shows colors[i] (z in 0..len-1)."""
+    n = max(1, len(colors) - 1)
+    scale = []
+    for i, c in enumerate(colors):
+        lo, hi = max(0.0, (i - 0.5) / n), min(1.0, (i + 0.5) / n)
+        scale += [[lo, c], [hi, c]]
+    return scale
+
+
+def _rows(named_sets, n_layers: int):
+    """Heatmap rows (attn, mlp per set, top to bottom), their colour codes, labels and hover text."""
+    z, text, labels = [], [], []
+    colors = [RUN]
+    for name, skip, color in named_sets:
+        colors.append(color)
+        code = len(colors) - 1
+        for kind, idx, word in (("attn", skip.attn, "attention"), ("mlp", skip.mlp, "MLP")):
+            z.append([code if i in idx else 0 for i in range(n_layers)])
+            text.append([f"{name} set · layer {i} {word} · "
+                         f"{'skipped by the draft' if i in idx else 'runs in the draft'}"
+                         for i in range(n_layers)])
+            share = f"{len(idx)}/{n_layers}"
+            labels.append(f"<b>{name}</b> attn {share}" if kind == "attn" else f"mlp {share}")
+    return z, text, labels, colors
+
+
+def _heatmap(named_sets, n_layers: int, yaxis: str = "y", opacity: float = 1.0) -> go.Heatmap:
+    z, text, labels, colors = _rows(named_sets, n_layers)
+    return go.Heatmap(z=z, x=list(range(n_layers)), y=list(range(len(z))), text=text,
+                      hovertemplate="%{text}<extra></extra>", colorscale=_discrete_scale(colors),
+                      zmin=0, zmax=len(colors) - 1, showscale=False, xgap=2, ygap=1,
+                      opacity=opacity, yaxis=yaxis), labels
+
+
+def set_list(domain_sets: dict, static) -> list[tuple[str, object, str]]:
+    """(name, SkipSet, colour) for every domain in order, then the static set."""
+    out = [(d, s, domain_color(d, i)) for i, (d, s) in enumerate(domain_sets.items())]
+    if static is not None:
+        out.append(("static", static, domain_color("static")))
+    return out
+
+
+def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_use=None,
+              in_use_name: str = "", in_use_domain: str | None = None, history=None,
+              height: int = 280, title: str | None = None) -> go.Figure:
+    """The Generate tab's layer map.
+
+    in_use: the SkipSet drafting now (None: autoregressive — nothing skipped, nothing drafted).
+    history: [(step, SkipSet)] when the strategy changed its set during the run (KnapSpec).
+    """
+    domain_sets = domain_sets or {}
+    top = []
+    if in_use is not None:
+        top = [(f"in use: {in_use_name or in_use.name or 'set'}", in_use,
+                domain_color(in_use_domain or in_use.name or "knapspec"))]
+    others = set_list(domain_sets, static)
+    rows = top + others
+    if not rows:
+        fig = go.Figure(layout=base_layout(title or "Layer map", height))
+        fig.add_annotation(text="autoregressive: every layer runs, nothing is drafted", showarrow=False,
+                           font=dict(color=MUTED, size=12), x=0.5, y=0.5, xref="paper", yref="paper")
+        fig.update_xaxes(visible=False)
+        fig.update_yaxes(visible=False)
+        return fig
+    labels = _rows(rows, n_layers)[2]
+    if top and others:
+        # dim the sets not in use so the eye lands on the one drafting now
+        hm_top, _ = _heatmap(top, n_layers)
+        hm_rest, _ = _heatmap(others, n_layers, opacity=0.75)
+        hm_rest.update(y=list(range(2 * len(top), len(labels))))
+        traces = [hm_top, hm_rest]
+    else:
+        traces = [_heatmap(rows, n_layers)[0]]
+    changes = _changes(history)
+    if title is None:
+        if in_use is None:
+            title = "Layer map · autoregressive: nothing skipped · each domain's set below"
+        else:
+            title = (f"Layer map · dark = skipped by the draft · {in_use_name or in_use.name}: "
+                     f"{len(in_use.attn)} attn + {len(in_use.mlp)} mlp of {2 * n_layers}")
+    layout = base_layout(title, height + (110 if changes else 0))
+    fig = go.Figure(data=traces, layout=layout)
+    strip_share = 0.32 if changes else 0.0
+    fig.update_layout(
+        yaxis=dict(tickmode="array", tickvals=list(range(len(labels))), ticktext=labels,
+                   autorange="reversed", tickfont=dict(size=9, color=INK), showgrid=False,
+                   domain=[strip_share + (0.08 if changes else 0), 1], fixedrange=True),
+        xaxis=dict(title=None, dtick=5, showgrid=False, tickfont=dict(size=9, color=MUTED),
+                   side="top", fixedrange=True, range=[-0.5, n_layers - 0.5]),
+        margin=dict(l=8, r=8, t=44, b=8))
+    if top and others:
+        fig.add_hline(y=2 * len(top) - 0.5, line=dict(color=INK, width=1.5))
+    if changes:
+        fig.add_trace(_timeline_trace(changes, n_layers))
+        fig.update_layout(
+            xaxis2=dict(anchor="y2", title=dict(text="step", font=dict(size=10)), showgrid=False,
+                        tickfont=dict(size=9, color=MUTED)),
+            yaxis2=dict(domain=[0, strip_share], anchor="x2", tickmode="array",
+                        tickvals=[n_layers / 2, 1.5 * n_layers], ticktext=["attn", "mlp"],
+                        showgrid=False, tickfont=dict(size=9), autorange="reversed"),
+            annotations=[dict(text="skip set per step (re-optimised as the context grows)",
+                              x=0, y=strip_share + 0.02, xref="paper", yref="paper", showarrow=False,
+                              xanchor="left", yanchor="bottom", font=dict(size=10, color=MUTED))])
+    return fig
+
+
+def _changes(history) -> list:
+    """history → [(step, SkipSet)] if the set changed at least once, else []."""
+    if not history:
+        return []
+    sets = {s for _, s in history}
+    return list(history) if len(sets) > 1 else []
+
+
+def _timeline_trace(history, n_layers: int) -> go.Heatmap:
+    """x = step, y = sublayer (attention rows, then MLP rows), dark = skipped from that step on."""
+    steps = [s for s, _ in history]
+    z = [[0] * len(steps) for _ in range(2 * n_layers)]
+    text = [[""] * len(steps) for _ in range(2 * n_layers)]
+    for j, (step, skip) in enumerate(history):
+        for i in range(n_layers):
+            for row, idx, word in ((i, skip.attn, "attention"), (n_layers + i, skip.mlp, "MLP")):
+                z[row][j] = 1 if i in idx else 0
+                text[row][j] = (f"from step {step}: layer {i} {word} "
+                                f"{'skipped' if i in idx else 'runs'}")
+    return go.Heatmap(z=z, x=[str(s) for s in steps], y=list(range(2 * n_layers)), text=text,
+                      hovertemplate="%{text}<extra></extra>", colorscale=_discrete_scale([RUN, SKIPPED]),
+                      zmin=0, zmax=1, showscale=False, xgap=2, ygap=0, xaxis="x2", yaxis="y2")
+
+
+def sets_grid(n_layers: int, domain_sets: dict, static=None, highlight: str | None = None,
+              height: int = 420) -> go.Figure:
+    """Every domain's set side by side (the Domains & layer sets tab)."""
+    fig = layer_map(n_layers, domain_sets, static, height=height,
+                    title="Each domain's skip set · coloured = skipped by the draft · grey = runs")
+    if highlight:
+        fig.update_layout(title_text=f"Each domain's skip set · this prompt was routed to {highlight}")
+    return fig
+
+
+def matchness_heatmap(matchness: dict[str, dict[str, float]], domains: list[str],
+                      height: int = 360) -> go.Figure:
+    """Held-out matchness of each set (rows) on each domain (columns): the KNN-SSD premise."""
+    sets = [s for s in list(domains) + ["static"] if s in matchness]
+    z = [[matchness[s].get(d) for d in domains] for s in sets]
+    text = [[f"{s} set on {d} prompts: {v:.2f} of draft tokens match the full model"
+             if v is not None else "" for d, v in zip(domains, row)] for s, row in zip(sets, z)]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=domains, y=[f"{s} set" for s in sets], text=text, hovertemplate="%{text}<extra></extra>",
+        colorscale=[[0, "#f5f7fa"], [1, "#1f7a45"]], zmin=0, zmax=1, xgap=2, ygap=2,
+        texttemplate="%{z:.2f}", textfont=dict(size=10),
+        colorbar=dict(title=dict(text="matchness", side="right"), thickness=10, len=0.8)))
+    fig.update_layout(**base_layout("Matchness: each set (row) on each domain's held-out prompts · "
+                                    "the diagonal should win its column", height))
+    fig.update_xaxes(side="bottom", title="prompts from domain", tickfont=dict(size=10), fixedrange=True)
+    fig.update_yaxes(autorange="reversed", tickfont=dict(size=10), fixedrange=True)
+    fig.update_layout(margin=dict(l=8, r=8, t=40, b=40))
+    for i, s in enumerate(sets):
+        if s in domains:
+            j = domains.index(s)
+            fig.add_shape(type="rect", x0=j - 0.5, x1=j + 0.5, y0=i - 0.5, y1=i + 0.5,
+                          line=dict(color=INK, width=1.5))
+    return fig
+

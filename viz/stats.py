@@ -1,0 +1,127 @@
+"""Live statistics as small HTML (cheap to re-send every step): τ, α, tokens/s, the histogram of
+accept lengths, drafted vs accepted per step, and the race verdict."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .tokens import escape
+
+
+@dataclass(frozen=True)
+class RaceResult:
+    """Both runs of a race on the same prompt and settings, measured in this process."""
+
+    strategy: str                 # display label of the challenger
+    ar_tokens_per_s: float
+    tokens_per_s: float
+    ar_tokens: int
+    tokens: int
+    identical: bool | None        # None: sampling, where lossless means "same distribution"
+    first_difference: int | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.ar_tokens_per_s if self.ar_tokens_per_s > 0 else 0.0
+
+
+def _metric(label: str, value: str, hint: str, cls: str = "") -> str:
+    return (f'<div class="metric {cls}" title="{escape(hint)}"><span class="metric-value">{escape(value)}</span>'
+            f'<span class="metric-label">{escape(label)}</span></div>')
+
+
+def speedup_class(x: float) -> str:
+    return "good" if x >= 1.0 else "bad"
+
+
+def stats_html(stats=None, *, race: RaceResult | None = None, speculative: bool = True,
+               note: str = "") -> str:
+    """The stats bar: τ, α, tokens/s and, once a race ran, the measured speedup and lossless check."""
+    if stats is None:
+        cells = [_metric("τ tokens / step", "–", "mean tokens committed per verification step"),
+                 _metric("α acceptance", "–", "accepted drafts / drafted tokens"),
+                 _metric("tokens / s", "–", "new tokens per second of model time")]
+    else:
+        cells = [_metric("τ tokens / step", f"{stats.tau:.2f}",
+                         "mean tokens committed per verification step (accepted drafts + the verifier's token)"),
+                 _metric("α acceptance", f"{stats.alpha:.2f}" if speculative and stats.drafted else "–",
+                         f"{stats.accepted} of {stats.drafted} drafted tokens accepted"),
+                 _metric("tokens / s", f"{stats.tokens_per_s:.1f}",
+                         f"{stats.new_tokens} tokens in {stats.wall_s:.2f} s of model time "
+                         f"(prefill {stats.prefill_s * 1000:.0f} ms)")]
+    if race is not None:
+        cells.append(_metric("vs autoregressive", f"{race.speedup:.2f}×",
+                             f"measured: {race.tokens_per_s:.1f} vs {race.ar_tokens_per_s:.1f} tokens/s, "
+                             "same prompt, same process", speedup_class(race.speedup)))
+        cells.append(_lossless_metric(race))
+    else:
+        cells.append(_metric("vs autoregressive", "race →", "press “Race vs AR” to measure the speedup",
+                             "pending"))
+    extra = f'<div class="stats-note">{escape(note)}</div>' if note else ""
+    return f'<div class="stats-bar">{"".join(cells)}</div>{extra}'
+
+
+def _lossless_metric(race: RaceResult) -> str:
+    if race.identical is None:
+        return _metric("lossless", "n/a", "sampling: outputs differ run to run; speculative sampling keeps "
+                       "the distribution, not the text", "pending")
+    if race.identical:
+        return _metric("lossless", "✓ identical", "token-for-token identical to autoregressive decoding", "good")
+    where = f" (first difference at token {race.first_difference})" if race.first_difference is not None else ""
+    return _metric("lossless", "✗ differs", "the text differs from autoregressive decoding" + where, "bad")
+
+
+def accept_histogram_html(accept_lengths, gamma: int) -> str:
+    """Bars: how often a step committed 1, 2, …, γ+1 tokens."""
+    counts = Counter(accept_lengths)
+    top = max(gamma + 1, max(counts, default=1))
+    peak = max(counts.values(), default=0)
+    bars = []
+    for n in range(1, top + 1):
+        c = counts.get(n, 0)
+        h = 0 if peak == 0 else max(2, round(34 * c / peak)) if c else 0
+        bars.append(f'<div class="hbar" title="{c} step{"s" if c != 1 else ""} committed {n} token'
+                    f'{"s" if n != 1 else ""}"><div class="hbar-fill" style="height:{h}px"></div>'
+                    f'<div class="hbar-x">{n}</div></div>')
+    return ('<div class="mini"><div class="mini-title">tokens per step</div>'
+            f'<div class="hist">{"".join(bars)}</div></div>')
+
+
+def steps_strip_html(steps, last: int = 40) -> str:
+    """One column per step: accepted (green) and rejected (red) drafts, then the verifier token (blue)."""
+    shown = list(steps)[-last:]
+    cols = []
+    for s in shown:
+        acc = min(s.accepted, len(s.committed))
+        rej = len(s.drafted) - s.accepted
+        ver = 1 if len(s.committed) > s.accepted else 0
+        cells = ('<i class="v"></i>' * ver + '<i class="r"></i>' * rej + '<i class="a"></i>' * acc)
+        cols.append(f'<div class="scol" title="step {s.index + 1}: drafted {len(s.drafted)}, accepted '
+                    f'{s.accepted}">{cells}</div>')
+    empty = '<span class="mini-empty">steps appear here</span>' if not cols else ""
+    return ('<div class="mini"><div class="mini-title">drafted vs accepted, per step</div>'
+            f'<div class="strip">{"".join(cols)}{empty}</div></div>')
+
+
+def race_html(race: RaceResult | None, *, running: str = "") -> str:
+    """The race panel: both speeds as bars, the measured speedup, the lossless check."""
+    if race is None:
+        body = escape(running) if running else ("Race runs the chosen strategy and plain autoregressive "
+                                               "decoding on the same prompt, one after the other.")
+        return f'<div class="race idle">{body}</div>'
+    fast = max(race.tokens_per_s, race.ar_tokens_per_s, 1e-9)
+    rows = []
+    for label, tps, n, cls in ((race.strategy, race.tokens_per_s, race.tokens, "challenger"),
+                               ("autoregressive", race.ar_tokens_per_s, race.ar_tokens, "ar")):
+        rows.append(f'<div class="race-row {cls}"><span class="race-label">{escape(label)}</span>'
+                    f'<span class="race-bar"><span style="width:{100 * tps / fast:.1f}%"></span></span>'
+                    f'<span class="race-num">{tps:.1f} tok/s · {n} tokens</span></div>')
+    if race.identical is None:
+        verdict = "sampling mode: lossless means the same distribution, not the same text"
+    elif race.identical:
+        verdict = "✓ identical text: speculation changed nothing but the speed"
+    else:
+        verdict = "✗ the texts differ"
+    head = (f'<span class="race-speedup {speedup_class(race.speedup)}">{race.speedup:.2f}×</span> '
+            f'<span class="race-verdict">{escape(verdict)}</span>')
+    return f'<div class="race">{head}{"".join(rows)}</div>'
