@@ -1,0 +1,216 @@
+"""Skip-set search on the tiny random Llama: matchness, its off-by-one, and the optuna search."""
+import json
+
+import pytest
+import torch
+
+from ssd_core.backbone import EMPTY
+from ssd_core.latency import LatencyModel
+from ssd_core.search import (STATIC, MatchData, SearchResult, build_match_data, default_initial,
+                             matchness, matchness_per_domain, merge, search_all, search_skip_set,
+                             searchable_layers, structured_candidates)
+from ssd_core.skipset import SkipSet
+from tiny import tiny_backbone
+
+PROMPTS = ["the quick brown fox", "hello world, again", "1+1=2, 2+2=", "abc def ghi"]
+OTHER = ["Summarize: rain fell.", "x y z"]
+
+
+def latency_for(n_layers: int) -> LatencyModel:
+    return LatencyModel(n_layers=n_layers, attn_a=2e-3, attn_b=1e-6, mlp=3e-3, head=1e-3,
+                        overhead=1e-3, verify={1: 1.0, 2: 1.05, 5: 1.3, 9: 1.6})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared 2-core box OpenMP threads that
+    spin-wait for a busy core make them ~100× slower; restored for the other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tiny, one_thread):
+    return build_match_data(tiny, PROMPTS, continuation_tokens=16, progress=False)
+
+
+@pytest.fixture(scope="module")
+def other(tiny, one_thread):
+    return build_match_data(tiny, OTHER, continuation_tokens=12, progress=False)
+
+
+def everything_allowed(n_layers: int) -> SkipSet:
+    inner = frozenset(searchable_layers(n_layers))
+    return SkipSet(inner, inner)
+
+
+def brute_force_matches(bb, skip: SkipSet, data: MatchData) -> int:
+    """One token at a time: the full model's prompt KV, then the draft on each position."""
+    hits = 0
+    for seq, start, target in zip(data.sequences, data.starts, data.targets):
+        cache = bb.new_cache(len(seq))
+        if start > 1:
+            bb.forward(seq[:start - 1], cache, EMPTY, logits="none")
+        for j in range(len(seq) - start):
+            # the hidden state at position start-1+j predicts the token at start+j
+            logits = bb.forward([seq[start - 1 + j]], cache, skip, logits="last")
+            hits += int(int(logits.argmax()) == int(target[j]))
+    return hits
+
+
+# --- matchness ---------------------------------------------------------------------------------
+def test_match_data_shapes(data):
+    assert len(data) == len(PROMPTS)
+    for seq, start, target, (k, v) in zip(data.sequences, data.starts, data.targets, data.prefix_kv):
+        assert 1 <= start < len(seq)
+        assert len(target) == len(seq) - start <= 16
+        assert k.shape[2] == v.shape[2] == start - 1
+    assert data.tokens == sum(len(s) - st for s, st in zip(data.sequences, data.starts))
+
+
+def test_targets_are_the_greedy_continuation(data):
+    """targets[i][j] predicts sequence position starts[i]+j: it must be the token generated there."""
+    for seq, start, target in zip(data.sequences, data.starts, data.targets):
+        assert target.tolist() == list(seq[start:])
+
+
+def test_empty_skip_set_matches_everything(tiny, data):
+    assert matchness(tiny, SkipSet(), data) == 1.0
+
+
+def test_skipping_everything_allowed_matches_less(tiny, data):
+    assert matchness(tiny, everything_allowed(tiny.n_layers), data) < 0.9
+
+
+@pytest.mark.parametrize("skip", [SkipSet({1, 3}, {2}), SkipSet(set(), {1, 2, 3}), SkipSet({2}, set()),
+                                  everything_allowed(5)])
+def test_matchness_equals_step_by_step_brute_force(tiny, data, skip):
+    m = matchness(tiny, skip, data)
+    assert 0.0 <= m < 1.0
+    assert m * data.tokens == pytest.approx(brute_force_matches(tiny, skip, data))
+
+
+def test_matchness_without_prefix_cache_is_the_same(tiny, data):
+    bare = MatchData(data.sequences, data.starts, data.targets)
+    skip = SkipSet({1}, {3})
+    assert matchness(tiny, skip, bare) == matchness(tiny, skip, data)
+
+
+def test_matchness_is_weighted_by_tokens(tiny, data, other):
+    skip = SkipSet({2}, {1})
+    mixed = merge([data, other])
+    assert len(mixed) == len(data) + len(other) and mixed.tokens == data.tokens + other.tokens
+    expected = (matchness(tiny, skip, data) * data.tokens
+                + matchness(tiny, skip, other) * other.tokens) / mixed.tokens
+    assert matchness(tiny, skip, mixed) == pytest.approx(expected)
+    per = matchness_per_domain(tiny, skip, {"a": data, "b": other})
+    assert per == {"a": matchness(tiny, skip, data), "b": matchness(tiny, skip, other)}
+
+
+def test_merge_interleaves_so_a_limit_keeps_the_mix(data, other):
+    mixed = merge([data, other], limit=3)
+    assert mixed.sequences == (data.sequences[0], other.sequences[0], data.sequences[1])
+    assert len(mixed.prefix_kv) == 3
+    bare = MatchData(other.sequences, other.starts, other.targets)
+    assert merge([data, bare]).prefix_kv == ()
+
+
+def test_match_data_rejects_inconsistent_rows(data):
+    with pytest.raises(ValueError):
+        MatchData(data.sequences, data.starts, data.targets[:-1])
+    with pytest.raises(ValueError):
+        MatchData(data.sequences[:1], (len(data.sequences[0]),), (torch.tensor([]),))
+
+
+# --- search ------------------------------------------------------------------------------------
+def skipped_layers(skip: SkipSet) -> set:
+    return set(skip.attn) | set(skip.mlp)
+
+
+def worst_single_sublayer(bb, data, lat) -> SkipSet:
+    """The one-sublayer draft with the lowest objective: costs nearly a full step, matches badly."""
+    singles = [SkipSet({i}, set()) for i in searchable_layers(bb.n_layers)] + \
+              [SkipSet(set(), {i}) for i in searchable_layers(bb.n_layers)]
+    return min(singles, key=lambda s: lat.expected_speedup(s, matchness(bb, s, data), 4, 256))
+
+
+def test_search_beats_a_poor_initial_set(tiny, data):
+    lat = latency_for(tiny.n_layers)
+    poor = worst_single_sublayer(tiny, data, lat)
+    r = search_skip_set(tiny, data, lat, budget=25, initial=poor, progress=False)
+    assert r.initial_objective == pytest.approx(lat.expected_speedup(poor, matchness(tiny, poor, data), 4, 256))
+    assert r.objective > r.initial_objective
+    assert r.history[0]["attn"] == sorted(poor.attn) and r.history[0]["mlp"] == sorted(poor.mlp)
+    assert r.objective == max(h["objective"] for h in r.history if h["feasible"])
+    assert not skipped_layers(r.skip) & {0, tiny.n_layers - 1}
+    assert not r.skip.is_empty            # skipping nothing is no draft
+
+
+def test_search_at_least_matches_its_default_initial(tiny, data):
+    lat = latency_for(tiny.n_layers)
+    r = search_skip_set(tiny, data, lat, budget=25, progress=False, name="qa")
+    init = default_initial(tiny.n_layers)
+    assert r.initial_objective == pytest.approx(lat.expected_speedup(init, matchness(tiny, init, data), 4, 256))
+    assert r.objective >= r.initial_objective
+    assert r.skip.name == "qa"
+    assert r.objective == pytest.approx(lat.expected_speedup(r.skip, r.matchness, 4, 256))
+    assert r.matchness == matchness(tiny, r.skip, data)
+
+
+def test_search_never_touches_first_or_last_layer():
+    bb = tiny_backbone(layers=6)
+    d = build_match_data(bb, PROMPTS[:2], continuation_tokens=10, progress=False)
+    r = search_skip_set(bb, d, latency_for(6), budget=30, n_random=30, progress=False)
+    for h in r.history:
+        assert not (set(h["attn"]) | set(h["mlp"])) & {0, 5}
+    assert not skipped_layers(r.skip) & {0, 5}
+    for cand in structured_candidates(6):
+        assert not skipped_layers(cand) & {0, 5}
+
+
+def test_budget_counts_distinct_candidates(tiny, data):
+    r = search_skip_set(tiny, data, latency_for(tiny.n_layers), budget=20, progress=False)
+    distinct = {(tuple(h["attn"]), tuple(h["mlp"])) for h in r.history}
+    assert len(distinct) == 20
+    assert r.trials == len(r.history) >= 20
+
+
+def test_search_is_deterministic_for_a_seed(tiny, data):
+    lat = latency_for(tiny.n_layers)
+    a, b = (search_skip_set(tiny, data, lat, budget=20, seed=3, progress=False) for _ in range(2))
+    assert a.history == b.history and a.skip == b.skip
+
+
+def test_search_result_serialises(tiny, data):
+    r = search_skip_set(tiny, data, latency_for(tiny.n_layers), budget=8, progress=False, name="math")
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["skip"]["name"] == "math" and d["trials"] == r.trials == len(d["history"])
+    assert isinstance(r, SearchResult)
+
+
+def test_search_rejects_bad_inputs(tiny, data):
+    with pytest.raises(ValueError, match="layers"):
+        search_skip_set(tiny, data, latency_for(6), budget=5, progress=False)
+    with pytest.raises(ValueError, match="first or last"):
+        search_skip_set(tiny, data, latency_for(5), budget=5, initial=SkipSet({0}, set()), progress=False)
+    with pytest.raises(ValueError, match="min_skipped"):
+        search_skip_set(tiny, data, latency_for(5), budget=5, initial=SkipSet(), progress=False)
+
+
+def test_search_all_names_one_set_per_domain_plus_static(tiny, data, other):
+    per, static = search_all(tiny, {"math": data, "qa": other}, latency_for(tiny.n_layers),
+                             budget=8, progress=False, static_per_domain=None)
+    assert set(per) == {"math", "qa"}
+    assert all(r.skip.name == d for d, r in per.items())
+    assert static.skip.name == STATIC
+    mixed = merge([data, other])
+    assert static.matchness == matchness(tiny, static.skip, mixed)
+
+
+def test_static_mix_takes_a_balanced_share_of_each_domain(tiny, data, other):
+    _, static = search_all(tiny, {"math": data, "qa": other}, latency_for(tiny.n_layers),
+                           budget=4, progress=False, static_per_domain=1)
+    mixed = merge([data, other], limit=2)
+    assert static.matchness == matchness(tiny, static.skip, mixed)
