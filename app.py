@@ -8,6 +8,12 @@ event handlers as plain generator functions, and the Blocks layout.
 """
 from __future__ import annotations
 
+import os
+
+# OpenMP threads that spin while waiting turn a CPU shared with anything else into a crawl (measured
+# here: 2 threads at ~500 ms per decode step vs ~55 ms when they sleep); set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
 import logging
@@ -42,6 +48,7 @@ STRATEGIES = {"KNN-SSD": "knn", "static set": "static", "KnapSpec": "knapspec", 
               "autoregressive": "ar"}
 LABELS = {v: k for k, v in STRATEGIES.items()}
 MAX_PROMPT_TOKENS = 1024
+PLOT_H = 270                  # the two Generate-tab figures; with the rest it fits 1280×720
 QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
 SKIP = gr.skip
 
@@ -92,11 +99,12 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     early: dict = {}
 
     def prepare_map():             # umap's first import is the slow part; start it now
+        t = time.perf_counter()
         try:
-            early["cal"] = cal_io.load(folder)
-            early["map"] = _load_map(early["cal"])
+            early["map"] = _load_map(cal_io.load(folder))
         except Exception as exc:
             early["error"] = exc
+        early["seconds"] = time.perf_counter() - t
 
     helper = threading.Thread(target=prepare_map, daemon=True)
     helper.start()
@@ -105,16 +113,21 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     prompts = load_prompts()
     examples = {d: split(p)[1] or p for d, p in prompts.items()}
     studio = Studio(bb, spec, folder, examples, read_bench(BENCH_DIR))
+    if warm:                       # torch and plotly warm up while umap is still importing
+        warm_up(studio)
+    t_waited = time.perf_counter()
     helper.join()
+    t_waited = time.perf_counter() - t_waited
     try:
         cal = cal_io.load(folder, bb)
         dm, err = early.get("map") or _load_map(cal)
         studio.install(cal, dm, err)
     except cal_io.CalibrationError as exc:
         studio.cal_error = str(exc)
-    if warm:
+    if warm and studio.calibration is not None:
         warm_up(studio)
-    studio.timings = {"model_s": round(t_model, 2), "total_s": round(time.perf_counter() - t0, 2)}
+    studio.timings = {"model_s": round(t_model, 1), "umap_s": round(early.get("seconds", 0.0), 1),
+                      "waited_for_umap_s": round(t_waited, 1), "total_s": round(time.perf_counter() - t0, 1)}
     return studio
 
 
@@ -260,24 +273,24 @@ def _layer_fig(studio: Studio, run: Run | None):
     static = cal.static if cal else None
     n = studio.backbone.n_layers
     if run is None or run.skip is None:
-        return vlayers.layer_map(n, sets, static, height=260)
+        return vlayers.layer_map(n, sets, static, height=PLOT_H)
     route = run.route or {}
     domain = {"knn": (route.get("domain") or "static") if run.route_used else None,
               "static": "static", "oracle": run.skip.name, "knapspec": "knapspec"}.get(run.strategy)
     name = {"knn": f"{domain} set", "static": "static set", "oracle": f"{run.skip.name} set",
             "knapspec": "KnapSpec set"}.get(run.strategy, run.skip.name)
     return vlayers.layer_map(n, sets, static, in_use=run.skip, in_use_name=name, in_use_domain=domain,
-                             history=run.history, height=260)
+                             history=run.history, height=PLOT_H)
 
 
 def _map_fig(studio: Studio, run: Run | None):
     if studio.domain_map is None:
-        return vmap.domain_map([], height=260, title=studio.map_error or studio.cal_error[:90]
+        return vmap.domain_map([], height=PLOT_H, title=studio.map_error or studio.cal_error[:90]
                                or "no domain map")
     if run is None or run.start is None:
-        return vmap.domain_map(studio.anchors, height=260)
+        return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=PLOT_H)
     xy = studio.domain_map.transform(run.start.embedding)
-    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=260)
+    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=PLOT_H)
 
 
 def _route_view(run: Run | None) -> str:
@@ -316,11 +329,12 @@ def _cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
     html = vcost.cost_html(b, strategy=label, skip_name=skip.name or "chosen", alpha=alpha,
                            tau=stats.tau if stats is not None and stats.drafted else None,
                            measured_speedup=measured_speedup, measured=measured, alpha_source=source)
-    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], alpha)
+    c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
+    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], alpha, c_big=c_big)
 
 
 # --- handlers: Generate ------------------------------------------------------------------------------
-GEN_OUTPUTS = ("session", "tokens", "stats", "live", "route", "domain_plot", "layer_plot", "race", "cost",
+GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost",
                "what_if")
 
 
@@ -351,7 +365,6 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
     bb = studio.backbone
     eos = bb.eos_ids
     parts: list[str] = []
-    live = partial(_live, cfg.gamma)
     events = _timed(decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop))
     for ev, dt in events:
         run.compute_s += dt
@@ -363,8 +376,7 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
             parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, bb.token_str, eos)))
             note = cal_note + ("The prompt was shortened to fit. " if ev.truncated else "")
             yield dict(tokens=_tokens_view(studio, parts, "generating…"),
-                       stats=vstats.stats_html(run.stats, speculative=strategy != "ar", note=note),
-                       live=live([]), route=_route_view(run))
+                       stats=_stats_view(run, None, note), route=_route_view(run))
             yield dict(domain_plot=_map_fig(studio, run), layer_plot=_layer_fig(studio, run))
             continue
         run.steps.append(ev)
@@ -374,20 +386,21 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
             update["layer_plot"] = _layer_fig(studio, run)
         parts.append(vtok.tokens_html(vtok.step_tokens(ev, bb.token_str, eos)))
         update.update(tokens=_tokens_view(studio, parts, "generating…"),
-                      stats=vstats.stats_html(run.stats, speculative=strategy != "ar", note=cal_note),
-                      live=live(run.steps))
+                      stats=_stats_view(run, None, cal_note))
         yield update
     stopped = session.stop
     st = run.stats
     done = (f"stopped after {st.new_tokens} tokens" if stopped else
             f"done · {st.new_tokens} tokens in {len(run.steps)} steps · {st.wall_s:.2f} s model time")
+    done += " · hover a token for its step, draft probability and the verifier's choice"
     yield dict(tokens=_tokens_view(studio, parts, done))
 
 
-def _live(gamma: int, steps) -> str:
-    lengths = [len(s.committed) for s in steps]
-    return (f'<div class="live">{vstats.accept_histogram_html(lengths, gamma)}'
-            f"{vstats.steps_strip_html(steps)}</div>")
+def _stats_view(run: Run | None, race, note: str = "") -> str:
+    if run is None:
+        return vstats.stats_html(None)
+    return vstats.stats_html(run.stats, race=race, speculative=run.strategy != "ar", note=note,
+                             steps=run.steps, gamma=run.config.gamma)
 
 
 def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
@@ -408,8 +421,7 @@ def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, g
 
 
 def _final_stats(session: Session) -> str:
-    run = session.run
-    return vstats.stats_html(run.stats, race=session.race, speculative=run.strategy != "ar")
+    return _stats_view(session.run, session.race)
 
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
@@ -480,13 +492,14 @@ def what_if(studio: Studio, session, gamma, verify):
     session = _session(session)
     cal = studio.calibration
     run = session.run
-    c, alpha = 0.8, None
+    c, alpha, c_big = 0.8, None, None
     if cal is not None:
         skip = run.skip if run is not None and run.skip is not None else cal.static
         c = cal.latency.draft_cost(skip, 256)
+        c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
         stats = run.stats if run is not None else None
         alpha = stats.alpha if stats is not None and stats.drafted else cal.acceptance()["static"]
-    return vcost.what_if_figure(int(gamma), c, float(verify), alpha)
+    return vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big)
 
 
 # --- handlers: Step through ---------------------------------------------------------------------------
@@ -603,6 +616,10 @@ TOOLTIP_JS = """
     if (!tip.isConnected) document.body.appendChild(tip);
     tip.textContent = el.getAttribute('data-tip'); tip.style.display = 'block'; place(el); });
   document.addEventListener('scroll', () => { tip.style.display = 'none'; }, true);
+  // keep the newest streamed tokens in view (the box is re-rendered on every step)
+  new MutationObserver(() => { document.querySelectorAll('.token-stream').forEach((el) => {
+    if (el.dataset.seen !== '1') { el.dataset.seen = '1'; el.scrollTop = el.scrollHeight; } }); })
+    .observe(document.documentElement, { childList: true, subtree: true });
 })();
 </script>
 """
@@ -646,6 +663,10 @@ prompt; on a 135M model on a CPU that is often *below* 1× — the **Why (not) f
 """
 
 
+THEME = gr.themes.Base(primary_hue="green", neutral_hue="slate", spacing_size="sm", radius_size="md",
+                       font=["Inter", "ui-sans-serif", "system-ui", "sans-serif"])
+
+
 def _css() -> str:
     return css_variables() + (ROOT / "assets" / "app.css").read_text(encoding="utf-8")
 
@@ -666,7 +687,7 @@ def build(studio: Studio) -> gr.Blocks:
             with gr.Tab("Generate", id="generate"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=4, min_width=330, elem_id="controls"):
-                        prompt = gr.Textbox(label="Prompt", lines=4, max_lines=8, elem_id="prompt",
+                        prompt = gr.Textbox(label="Prompt", lines=3, max_lines=8, elem_id="prompt",
                                             value=first_examples.get("math", ""))
                         with gr.Row(elem_id="examples"):
                             ex_buttons = {d: gr.Button(d, size="sm", min_width=60, elem_classes=["ex", f"ex-{d}"])
@@ -683,19 +704,17 @@ def build(studio: Studio) -> gr.Blocks:
                             temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature (0 = greedy)")
                             top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top-p")
                             k = gr.Slider(1, 15, value=cal.router.k if cal else 5, step=1, label="K neighbours")
-                        with gr.Row():
-                            gen_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn")
-                            race_btn = gr.Button("Race vs AR", elem_id="race-btn")
-                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn")
+                        with gr.Row(elem_id="buttons-row"):
+                            gen_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn", min_width=80)
+                            race_btn = gr.Button("Race vs AR", elem_id="race-btn", min_width=80)
+                            stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=60, scale=0)
                         race_view = gr.HTML(vstats.race_html(None), elem_id="race")
                     with gr.Column(scale=9, elem_id="outputs"):
                         gr.HTML(vtok.legend_html(), elem_id="legend")
                         tokens = gr.HTML(_tokens_view(studio, []), elem_id="tokens")
-                        with gr.Row(equal_height=True, elem_id="stats-row"):
-                            stats = gr.HTML(vstats.stats_html(None), elem_id="stats")
-                            live = gr.HTML(_live(4, []), elem_id="live")
+                        stats = gr.HTML(_stats_view(None, None), elem_id="stats")
                         route = gr.HTML(_route_view(None), elem_id="route")
-                        with gr.Row(equal_height=True):
+                        with gr.Row(equal_height=True, elem_id="plots-row"):
                             domain_plot = gr.Plot(_map_fig(studio, None), show_label=False, elem_id="domain-map")
                             layer_plot = gr.Plot(_layer_fig(studio, None), show_label=False, elem_id="layer-map")
             with gr.Tab("Step through", id="walk"):
@@ -740,7 +759,7 @@ def build(studio: Studio) -> gr.Blocks:
 
         # --- wiring -------------------------------------------------------------------------------
         gen_inputs = [session, prompt, strategy, oracle_domain, max_new, gamma, threshold, temperature, top_p, k]
-        gen_outputs = [session, tokens, stats, live, route, domain_plot, layer_plot, race_view, cost, what_if_plot]
+        gen_outputs = [session, tokens, stats, route, domain_plot, layer_plot, race_view, cost, what_if_plot]
         model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="hidden")
         gen_evt = gen_btn.click(partial(generate, studio), gen_inputs, gen_outputs, **model_lane)
         sub_evt = prompt.submit(partial(generate, studio), gen_inputs, gen_outputs, **model_lane)
@@ -774,15 +793,15 @@ def main(argv=None):
                     help="calibration folder (default: assets/calibration/<model slug>)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     t0 = time.perf_counter()
     studio = load_studio(args.model, args.calibration, threads=args.threads)
     demo = build(studio)
-    print(f"start-up: {time.perf_counter() - t0:.1f} s (model {studio.timings['model_s']} s); "
-          f"calibration: {'loaded from ' + str(studio.cal_folder) if studio.calibration else studio.cal_error}",
-          flush=True)
-    demo.queue(default_concurrency_limit=4).launch(css=_css(), head=TOOLTIP_JS, theme=gr.themes.Base(
-        primary_hue="green", neutral_hue="slate", font=["Inter", "ui-sans-serif", "system-ui", "sans-serif"]))
+    t = studio.timings
+    print(f"start-up: {time.perf_counter() - t0:.1f} s (model {t['model_s']} s; UMAP import + warm "
+          f"{t['umap_s']} s in parallel, {t['waited_for_umap_s']} s of it waited for); calibration: "
+          f"{'loaded from ' + str(studio.cal_folder) if studio.calibration else studio.cal_error}", flush=True)
+    demo.queue(default_concurrency_limit=4).launch(css=_css(), head=TOOLTIP_JS, theme=THEME)
 
 
 if __name__ == "__main__":

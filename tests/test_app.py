@@ -256,7 +256,7 @@ def test_the_layout_has_every_part(studio):
     demo = app.build(studio)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     for part in ("prompt", "strategy", "generate-btn", "race-btn", "stop-btn", "tokens", "legend", "stats",
-                 "live", "route", "domain-map", "layer-map", "walk", "cost", "what-if"):
+                 "route", "domain-map", "layer-map", "walk", "cost", "what-if"):
         assert part in ids, part
     labels = {c.get("props", {}).get("label") for c in demo.config["components"]}
     assert {"Generate", "Step through", "Why (not) faster?", "Domains & layer sets", "Benchmark",

@@ -51,6 +51,16 @@ def _row(label: str, value: str, note: str = "") -> str:
             f'<td class="note">{escape(note)}</td></tr>')
 
 
+def _run_row(m: dict, tau: float | None) -> list[str]:
+    """The same formula with this run's own numbers: its τ, drafts per step and measured costs."""
+    if not tau or not m.get("c"):
+        return []
+    d, step = m["drafts_per_step"], m["drafts_per_step"] * m["c"] + m["v"] + m.get("overhead", 0.0)
+    return [_row("… with this run's numbers", f"τ / (d·c + v + o) = {tau / step:.2f}×",
+                 f"τ = {tau:.2f}, d = {d:.2f} drafts per step, c = {m['c']:.2f}, v = {m['v']:.2f}, "
+                 f"bookkeeping o = {m.get('overhead', 0.0):.2f}")]
+
+
 def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, tau: float | None,
               measured_speedup: float | None = None, measured: dict | None = None,
               alpha_source: str = "this run") -> str:
@@ -71,7 +81,8 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
         _row("expected tokens per step", f"E = {e:.2f}",
              f"at α = {alpha:.2f} ({alpha_source})" + (f"; measured τ = {tau:.2f}" if tau else "")
              if alpha is not None else ""),
-        _row("predicted speedup", f"E / (γ·c + v) = {pred:.2f}×", ""),
+        _row("predicted speedup", f"E / (γ·c + v) = {pred:.2f}×", "latency model, i.i.d. acceptance"),
+        *_run_row(m, tau),
         _row("measured speedup", f"{measured_speedup:.2f}×" if measured_speedup is not None else "–",
              "race against autoregressive, same prompt, same process" if measured_speedup is not None
              else "press “Race vs AR” on the Generate tab to measure it"),
@@ -95,14 +106,14 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
 
 
 def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float | None = None,
-                   v_big: float = GPU_VERIFY, height: int = 380) -> go.Figure:
-    """Predicted speedup over (acceptance, draft cost): this CPU's verify cost vs a GPU-scale one."""
+                   v_big: float = GPU_VERIFY, c_big: float | None = None, height: int = 380) -> go.Figure:
+    """c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read)."""
     alphas = np.linspace(0, 1, 51)
     cs = np.linspace(0.05, 1.0, 40)
     A, C = np.meshgrid(alphas, cs)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
         f"this model on this CPU · v = {v_here:.2f}", f"large model on a GPU · v ≈ {v_big:.2f}"))
-    scale = [[0.0, REJECTED.key], [1 / 3, "#fbe3e0"], [1 / 3 + 1e-3, "#f4fbf6"], [1.0, ACCEPTED.key]]
+    scale = [[0.0, "#e8a59c"], [1 / 3, REJECTED.tint], [1 / 3 + 1e-3, ACCEPTED.tint], [1.0, ACCEPTED.key]]
     for col, v in ((1, v_here), (2, v_big)):
         z = speedup(A, C, v, gamma)
         fig.add_trace(go.Contour(
@@ -118,14 +129,15 @@ def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float |
                                                                      showlabels=False),
             line=dict(width=2.5, color=INK), showscale=False, hoverinfo="skip"), row=1, col=col)
     if alpha_here is not None:
-        for col in (1, 2):
+        points = ((1, c_here, v_here, "this run"),
+                  (2, c_big if c_big is not None else c_here, v_big, "same set, big model"))
+        for col, c, v, label in points:
             fig.add_trace(go.Scatter(
-                x=[alpha_here], y=[c_here], mode="markers+text", text=["this run"],
+                x=[alpha_here], y=[c], mode="markers+text", text=[label],
                 textposition="top center", textfont=dict(size=10, color=INK),
                 marker=dict(symbol="star", size=15, color=INK, line=dict(color="#fff", width=1)),
-                hovertemplate=(f"acceptance {alpha_here:.2f}, c {c_here:.2f}<br>predicted "
-                               f"{float(speedup(alpha_here, c_here, v_here if col == 1 else v_big, gamma)):.2f}×"
-                               "<extra></extra>")), row=1, col=col)
+                hovertemplate=(f"acceptance {alpha_here:.2f}, c {c:.2f}<br>predicted "
+                               f"{float(speedup(alpha_here, c, v, gamma)):.2f}×<extra></extra>")), row=1, col=col)
     fig.update_layout(**base_layout(f"What if? Predicted speedup at γ = {gamma} · black line = break-even (1×)",
                                     height))
     fig.update_layout(margin=dict(l=50, r=10, t=60, b=45))

@@ -25,7 +25,8 @@ def anchor_traces(coords, domains, texts, kinds) -> list[go.Scatter]:
     order = list(dict.fromkeys(domains))
     traces = []
     for i, d in enumerate(order):
-        rows = [r for r, dom in enumerate(domains) if dom == d]
+        # prompts first: the legend shows a trace's first marker
+        rows = sorted((r for r, dom in enumerate(domains) if dom == d), key=lambda r: kinds[r] == "centroid")
         hover = [(f"<b>{escape(d)}</b> · centroid (mean of a cluster)" if kinds[r] == "centroid"
                   else f"<b>{escape(d)}</b> · calibration prompt<br>{_wrap(texts[r])}") for r in rows]
         sym = domain_symbol(d)
@@ -68,13 +69,19 @@ def domain_map(anchors: list, coords=None, prompt_xy=None, route: dict | None = 
             marker=dict(symbol="star", size=20, color=PROMPT_COLOR, line=dict(color="#ffffff", width=1.5))))
     if title is None:
         title = ("Domain map · UMAP of the router's anchors" if prompt_xy is None
-                 else "Domain map · ★ your prompt, dotted lines to its nearest anchors")
+                 else "Domain map · ★ your prompt · lines to its K nearest")
     layout = base_layout(title, height, showlegend=True)
-    layout["legend"] = dict(orientation="h", x=0, y=0, yanchor="bottom", font=dict(size=9, color=INK),
-                            bgcolor="rgba(255,255,255,0.7)", itemclick="toggleothers", itemsizing="constant")
+    layout["legend"] = dict(orientation="v", x=1, xanchor="right", y=1, yanchor="top", font=dict(size=10, color=INK),
+                            bgcolor="rgba(255,255,255,0.8)", itemclick="toggleothers", itemsizing="constant",
+                            tracegroupgap=0)
     fig.update_layout(**layout)
     fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False, scaleanchor=None)
+    fig.update_yaxes(visible=False)
+    if coords is not None and len(coords):
+        xs = [float(c[0]) for c in coords]
+        lo, hi = min(xs), max(xs)
+        pad = (hi - lo) or 1.0
+        fig.update_xaxes(range=[lo - 0.05 * pad, hi + 0.42 * pad])     # room for the legend on the right
     return fig
 
 

@@ -84,10 +84,10 @@ def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_us
     changes = _changes(history)
     if title is None:
         if in_use is None:
-            title = "Layer map · autoregressive: nothing skipped · each domain's set below"
+            title = "Layer map · coloured = skipped by each domain's draft"
         else:
-            title = (f"Layer map · dark = skipped by the draft · {in_use_name or in_use.name}: "
-                     f"{len(in_use.attn)} attn + {len(in_use.mlp)} mlp of {2 * n_layers}")
+            title = (f"Layer map · coloured = skipped · in use: {len(in_use.attn)} attn + "
+                     f"{len(in_use.mlp)} MLP")
     layout = base_layout(title, height + (110 if changes else 0))
     fig = go.Figure(data=traces, layout=layout)
     strip_share = 0.32 if changes else 0.0

@@ -35,30 +35,33 @@ def speedup_class(x: float) -> str:
 
 
 def stats_html(stats=None, *, race: RaceResult | None = None, speculative: bool = True,
-               note: str = "") -> str:
-    """The stats bar: τ, α, tokens/s and, once a race ran, the measured speedup and lossless check."""
+               note: str = "", steps=(), gamma: int = 4) -> str:
+    """The stats line: τ, α, tokens/s, the race's speedup and lossless check, then the live histogram of
+    tokens per step and the drafted-vs-accepted strip."""
     if stats is None:
-        cells = [_metric("τ tokens / step", "–", "mean tokens committed per verification step"),
+        cells = [_metric("τ tokens/step", "–", "mean tokens committed per verification step"),
                  _metric("α acceptance", "–", "accepted drafts / drafted tokens"),
-                 _metric("tokens / s", "–", "new tokens per second of model time")]
+                 _metric("tokens/s", "–", "new tokens per second of model time")]
     else:
-        cells = [_metric("τ tokens / step", f"{stats.tau:.2f}",
+        cells = [_metric("τ tokens/step", f"{stats.tau:.2f}",
                          "mean tokens committed per verification step (accepted drafts + the verifier's token)"),
                  _metric("α acceptance", f"{stats.alpha:.2f}" if speculative and stats.drafted else "–",
                          f"{stats.accepted} of {stats.drafted} drafted tokens accepted"),
-                 _metric("tokens / s", f"{stats.tokens_per_s:.1f}",
+                 _metric("tokens/s", f"{stats.tokens_per_s:.1f}",
                          f"{stats.new_tokens} tokens in {stats.wall_s:.2f} s of model time "
                          f"(prefill {stats.prefill_s * 1000:.0f} ms)")]
     if race is not None:
-        cells.append(_metric("vs autoregressive", f"{race.speedup:.2f}×",
+        cells.append(_metric("vs AR", f"{race.speedup:.2f}×",
                              f"measured: {race.tokens_per_s:.1f} vs {race.ar_tokens_per_s:.1f} tokens/s, "
                              "same prompt, same process", speedup_class(race.speedup)))
         cells.append(_lossless_metric(race))
     else:
-        cells.append(_metric("vs autoregressive", "race →", "press “Race vs AR” to measure the speedup",
+        cells.append(_metric("vs AR", "race →", "press “Race vs AR” to measure the speedup",
                              "pending"))
     extra = f'<div class="stats-note">{escape(note)}</div>' if note else ""
-    return f'<div class="stats-bar">{"".join(cells)}</div>{extra}'
+    lengths = [len(s.committed) for s in steps]
+    return (f'<div class="stats-line"><div class="stats-bar">{"".join(cells)}</div>'
+            f"{accept_histogram_html(lengths, gamma)}{steps_strip_html(steps)}</div>{extra}")
 
 
 def _lossless_metric(race: RaceResult) -> str:
@@ -66,7 +69,7 @@ def _lossless_metric(race: RaceResult) -> str:
         return _metric("lossless", "n/a", "sampling: outputs differ run to run; speculative sampling keeps "
                        "the distribution, not the text", "pending")
     if race.identical:
-        return _metric("lossless", "✓ identical", "token-for-token identical to autoregressive decoding", "good")
+        return _metric("lossless", "✓ same", "token-for-token identical to autoregressive decoding", "good")
     where = f" (first difference at token {race.first_difference})" if race.first_difference is not None else ""
     return _metric("lossless", "✗ differs", "the text differs from autoregressive decoding" + where, "bad")
 

@@ -28,8 +28,8 @@ def _cell(text: str, cls: str, tip: str = "") -> str:
 
 
 def _prob_cell(p: float) -> str:
-    return (f'<td class="prob"><span class="pbar"><span style="width:{100 * p:.0f}%"></span></span>'
-            f'<span class="pnum">{p:.2f}</span></td>')
+    return (f'<td class="prob"><div><span class="pbar"><span style="width:{100 * p:.0f}%"></span></span>'
+            f'<span class="pnum">{p:.2f}</span></div></td>')
 
 
 def context_html(text: str, width: int = 260) -> str:

@@ -113,5 +113,4 @@ def legend_html() -> str:
         items.append(f'<span class="legend-item"><span class="tok {cls}">{sample}</span> '
                      f'{escape(k.label)}<span class="legend-mark"> ({escape(k.mark)})</span></span>')
     return ('<div class="legend" aria-label="token colours">' + "".join(items)
-            + '<span class="legend-hint">hover a token for its step, draft probability and the '
-              "verifier's choice</span></div>")
+            + "</div>")
