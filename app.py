@@ -139,22 +139,51 @@ def warm_up(studio: Studio) -> None:
 
 
 def read_bench(folder: Path) -> dict:
-    """Whatever benchmark results are committed under assets/bench/ (nothing → empty dict)."""
-    out = {"summary": None, "summary_path": "", "core": None, "markdown": []}
+    """Whatever benchmark results are committed under assets/bench/ (nothing → empty entries)."""
+    out = {"summary": None, "summary_path": "", "answers": {}, "core": None, "scaling": None, "markdown": []}
     for path in sorted(folder.glob("*/summary.json")):
-        try:
-            out["summary"], out["summary_path"] = json.loads(path.read_text()), _rel(path)
+        summary = _read_json(path)
+        if summary:
+            out["summary"], out["summary_path"] = summary, _rel(path)
+            out["answers"] = {p.stem: a for p in sorted(path.parent.glob("*.jsonl")) if (a := _answers(p))}
             break
-        except (OSError, ValueError):
-            continue
-    core = folder / "core.json"
-    if core.exists():
-        try:
-            out["core"] = json.loads(core.read_text())
-        except (OSError, ValueError):
-            pass
-    out["markdown"] = [(_rel(p), p.read_text()) for p in sorted(folder.glob("**/*.md"))]
+    out["core"] = _read_json(folder / "core.json")
+    out["scaling"] = next((s for p in sorted(folder.glob("**/scaling.json")) if (s := _read_json(p))), None)
+    out["markdown"] = [(_rel(p), p.read_text(encoding="utf-8")) for p in sorted(folder.glob("**/*.md"))]
     return out
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _answers(path: Path) -> list:
+    """Spec-Bench answer records (one JSON object a line with `choices`), or [] for other files."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+    return rows if rows and all(isinstance(r, dict) and "choices" in r for r in rows) else []
+
+
+def bench_plots(bench: dict) -> list:
+    """The bench's own figures (viz.bench_figures), for whatever results exist."""
+    try:
+        from viz import bench_figures as bf
+        figs = []
+        if bench["summary"]:
+            figs += [bf.speedup_figure(bench["summary"]), bf.tau_figure(bench["summary"])]
+        if bench["answers"]:
+            figs.append(bf.accept_length_figure(bench["answers"]))
+        if bench["scaling"]:
+            figs.append(bf.scaling_figure(bench["scaling"]))
+        return figs
+    except Exception as exc:      # results written by another version: show the tables, log the rest
+        log.warning("benchmark figures unavailable: %s", exc)
+        return []
 
 
 def _rel(path: Path) -> str:
@@ -298,9 +327,7 @@ def _route_view(run: Run | None) -> str:
         return vmap.route_html(None)
     if run.route is None:
         return vmap.route_html(None, run.strategy)
-    extra = "" if run.route_used else (' <span class="route-aside">(shown for comparison: '
-                                       f'{vtok.escape(LABELS[run.strategy])} does not route)</span>')
-    return vmap.route_html(run.route, run.strategy, extra)
+    return vmap.route_html(run.route, run.strategy, used=run.route_used)
 
 
 def _cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
@@ -330,7 +357,15 @@ def _cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
                            tau=stats.tau if stats is not None and stats.drafted else None,
                            measured_speedup=measured_speedup, measured=measured, alpha_source=source)
     c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
-    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], alpha, c_big=c_big)
+    star, label = _star(stats, gamma, alpha)
+    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], star, c_big=c_big, label=label)
+
+
+def _star(stats, gamma: int, alpha: float) -> tuple[float, str]:
+    """Where the run sits on the what-if map: the acceptance that explains its measured τ."""
+    if stats is not None and stats.drafted:
+        return vcost.effective_acceptance(stats.tau, gamma), f"this run (τ {stats.tau:.2f})"
+    return alpha, "calibration"
 
 
 # --- handlers: Generate ------------------------------------------------------------------------------
@@ -467,8 +502,21 @@ def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma
                cost=cost, what_if=what_if)
 
 
-def stop(session):
-    """Stop: the running decode ends at its next step (the event is also cancelled by Gradio)."""
+def stop(studio: Studio, session):
+    """Stop: the running decode ends at its next step (Gradio also cancels the event); show where."""
+    session = _session(session)
+    session.stop = True
+    run = session.run
+    if run is None or run.start is None:
+        return session, SKIP(), SKIP()
+    bb = studio.backbone
+    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, bb.token_str, bb.eos_ids))]
+    parts += [vtok.tokens_html(vtok.step_tokens(s, bb.token_str, bb.eos_ids)) for s in list(run.steps)]
+    status = f"stopped after {run.stats.new_tokens} tokens"
+    return session, _tokens_view(studio, parts, status), _stats_view(run, None)
+
+
+def stop_walk(session):
     session = _session(session)
     session.stop = True
     return session
@@ -498,7 +546,8 @@ def what_if(studio: Studio, session, gamma, verify):
         c = cal.latency.draft_cost(skip, 256)
         c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
         stats = run.stats if run is not None else None
-        alpha = stats.alpha if stats is not None and stats.drafted else cal.acceptance()["static"]
+        alpha, label = _star(stats, int(gamma), cal.acceptance()["static"])
+        return vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big, label=label)
     return vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big)
 
 
@@ -720,14 +769,14 @@ def build(studio: Studio) -> gr.Blocks:
             with gr.Tab("Step through", id="walk"):
                 gr.Markdown("One click per phase of one speculative step. Uses the prompt, strategy and γ of "
                             "the Generate tab (greedy).")
-                with gr.Row():
-                    w_start = gr.Button("Start", variant="primary", elem_id="walk-start")
-                    w_draft = gr.Button("1 · Draft", elem_id="walk-draft")
-                    w_verify = gr.Button("2 · Verify", elem_id="walk-verify")
-                    w_accept = gr.Button("3 · Accept", elem_id="walk-accept")
-                    w_next = gr.Button("Next step →", elem_id="walk-next")
-                    w_auto = gr.Button("▶ Auto-play", elem_id="walk-auto")
-                    w_stop = gr.Button("Stop", variant="stop")
+                with gr.Row(elem_id="walk-buttons"):
+                    w_start = gr.Button("Start", variant="primary", elem_id="walk-start", min_width=90)
+                    w_draft = gr.Button("1 · Draft", elem_id="walk-draft", min_width=90)
+                    w_verify = gr.Button("2 · Verify", elem_id="walk-verify", min_width=90)
+                    w_accept = gr.Button("3 · Accept", elem_id="walk-accept", min_width=90)
+                    w_next = gr.Button("Next step →", elem_id="walk-next", min_width=90)
+                    w_auto = gr.Button("▶ Auto-play", elem_id="walk-auto", min_width=90)
+                    w_stop = gr.Button("Stop", variant="stop", min_width=70)
                 walk_view = gr.HTML(_walk_view(studio, None), elem_id="walk")
             with gr.Tab("Why (not) faster?", id="cost"):
                 cost_init, whatif_init = _cost_view(studio, None, None)
@@ -751,6 +800,8 @@ def build(studio: Studio) -> gr.Blocks:
             with gr.Tab("Benchmark", id="bench"):
                 b = studio.bench
                 gr.HTML(vbench.summary_html(b["summary"], b["summary_path"]) + vbench.core_html(b["core"]))
+                for fig in bench_plots(b):
+                    gr.Plot(fig, show_label=False)
                 for path, text in b["markdown"]:
                     with gr.Accordion(path, open=False):
                         gr.Markdown(text)
@@ -776,8 +827,9 @@ def build(studio: Studio) -> gr.Blocks:
                       show_progress="hidden")
         w_next.click(partial(walk_next, studio), [session], walk_out, **model_lane)
         auto_evt = w_auto.click(partial(walk_auto, studio), [session], walk_out, **model_lane)
-        stop_btn.click(stop, [session], [session], cancels=[gen_evt, sub_evt, race_evt], queue=False)
-        w_stop.click(stop, [session], [session], cancels=[auto_evt], queue=False)
+        stop_btn.click(partial(stop, studio), [session], [session, tokens, stats],
+                       cancels=[gen_evt, sub_evt, race_evt], queue=False)
+        w_stop.click(stop_walk, [session], [session], cancels=[auto_evt], queue=False)
         for ctl in (wi_gamma, wi_verify):
             ctl.release(partial(what_if, studio), [session, wi_gamma, wi_verify], what_if_plot,
                         show_progress="hidden")

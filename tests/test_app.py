@@ -126,12 +126,19 @@ def test_benchmark_view_without_and_with_results(tmp_path):
     (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "core.json").write_text(json.dumps({"model": "m", "tokens_per_s": {"core_ar": 25.0}}))
     (tmp_path / "run" / "results.md").write_text("| a |\n|---|\n| 1 |\n")
+    answer = {"question_id": 1, "category": "math", "choices": [{"index": 0, "turns": ["x"], "new_tokens": [3],
+                                                                 "wall_time": [0.1], "accept_lengths": [[2, 1]],
+                                                                 "decoding_steps": [2]}]}
+    (tmp_path / "run" / "knn.jsonl").write_text(json.dumps(answer) + "\n")
+    (tmp_path / "run" / "notes.jsonl").write_text('{"not": "an answer"}\n')
     bench = app.read_bench(tmp_path)
     html = vbench.summary_html(bench["summary"]) + vbench.core_html(bench["core"])
     assert "KNN-SSD" in html and "0.90×" in html and "✓" in html and "25.0" in html
-    assert bench["markdown"][0][1].startswith("| a |")
-    assert app.read_bench(tmp_path / "nothing") == {"summary": None, "summary_path": "", "core": None,
-                                                     "markdown": []}
+    assert bench["markdown"][0][1].startswith("| a |") and list(bench["answers"]) == ["knn"]
+    assert all(hasattr(f, "to_json") for f in app.bench_plots(bench))
+    empty = app.read_bench(tmp_path / "nothing")
+    assert empty["summary"] is None and empty["core"] is None and not empty["markdown"]
+    assert app.bench_plots(empty) == []
 
 
 # --- handlers ------------------------------------------------------------------------------------------
@@ -184,10 +191,12 @@ def test_stop_ends_the_decode_at_the_next_step(studio):
     gen = app.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
     first = next(gen)
     session = first[0]
-    app.stop(session)
+    _, tokens, stats = app.stop(studio, session)
+    assert "stopped after" in tokens and "tok" in tokens
     rest = list(gen)
     assert session.run.stats.new_tokens < 64
     assert "stopped" in column(rest, "tokens")[-1]
+    assert app.stop(studio, None)[1] == gr.skip()          # nothing running: nothing to show
 
 
 def test_bad_input_becomes_a_message_not_a_traceback(studio):

@@ -24,6 +24,17 @@ def speedup(alpha, c, v, gamma: int):
     return expected_tokens(alpha, gamma) / (gamma * np.asarray(c, dtype=float) + v)
 
 
+def effective_acceptance(tau: float, gamma: int) -> float:
+    """The i.i.d. acceptance that would give this τ (accepts come in runs, so it beats the raw α)."""
+    lo, hi = 0.0, 1.0
+    if tau >= gamma + 1:
+        return 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(expected_tokens(mid, gamma)) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
 def break_even(c: float, v: float, gamma: int) -> float | None:
     """Smallest acceptance with speedup ≥ 1 (None: even α = 1 loses)."""
     grid = np.linspace(0, 1, 2001)
@@ -79,8 +90,9 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
              + (f"; this run measured {m['v']:.2f}" if m.get("v") else "")),
         _row("one step costs", f"γ·c + v = {g}·{c:.2f} + {v:.2f} = {step:.2f}", "full steps of time"),
         _row("expected tokens per step", f"E = {e:.2f}",
-             f"at α = {alpha:.2f} ({alpha_source})" + (f"; measured τ = {tau:.2f}" if tau else "")
-             if alpha is not None else ""),
+             (f"at α = {alpha:.2f} ({alpha_source}), if every draft were accepted independently"
+              + (f"; measured τ = {tau:.2f}: accepts come in runs, as if α were "
+                 f"{effective_acceptance(tau, g):.2f}" if tau else "")) if alpha is not None else ""),
         _row("predicted speedup", f"E / (γ·c + v) = {pred:.2f}×", "latency model, i.i.d. acceptance"),
         *_run_row(m, tau),
         _row("measured speedup", f"{measured_speedup:.2f}×" if measured_speedup is not None else "–",
@@ -106,8 +118,10 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
 
 
 def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float | None = None,
-                   v_big: float = GPU_VERIFY, c_big: float | None = None, height: int = 380) -> go.Figure:
-    """c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read)."""
+                   v_big: float = GPU_VERIFY, c_big: float | None = None, height: int = 380,
+                   label: str = "this run") -> go.Figure:
+    """alpha_here: where the star sits (best: the effective acceptance of the run's τ).
+    c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read)."""
     alphas = np.linspace(0, 1, 51)
     cs = np.linspace(0.05, 1.0, 40)
     A, C = np.meshgrid(alphas, cs)
@@ -129,12 +143,12 @@ def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float |
                                                                      showlabels=False),
             line=dict(width=2.5, color=INK), showscale=False, hoverinfo="skip"), row=1, col=col)
     if alpha_here is not None:
-        points = ((1, c_here, v_here, "this run"),
+        points = ((1, c_here, v_here, label),
                   (2, c_big if c_big is not None else c_here, v_big, "same set, big model"))
-        for col, c, v, label in points:
+        for col, c, v, text in points:
             fig.add_trace(go.Scatter(
-                x=[alpha_here], y=[c], mode="markers+text", text=[label],
-                textposition="top center", textfont=dict(size=10, color=INK),
+                x=[alpha_here], y=[c], mode="markers+text", text=[text],
+                textposition="bottom center" if c > 0.8 else "top center", textfont=dict(size=10, color=INK),
                 marker=dict(symbol="star", size=15, color=INK, line=dict(color="#fff", width=1)),
                 hovertemplate=(f"acceptance {alpha_here:.2f}, c {c:.2f}<br>predicted "
                                f"{float(speedup(alpha_here, c, v, gamma)):.2f}×<extra></extra>")), row=1, col=col)

@@ -85,27 +85,27 @@ def domain_map(anchors: list, coords=None, prompt_xy=None, route: dict | None = 
     return fig
 
 
-def route_html(route: dict | None, strategy: str = "knn", extra: str = "") -> str:
-    """The routing decision in words."""
+def route_html(route: dict | None, strategy: str = "knn", used: bool = True) -> str:
+    """The routing decision in words; used=False: what KNN would have chosen (for comparison)."""
     if route is None:
         words = {"static": "static set: the same skip set for every prompt (no routing)",
                  "knapspec": "KnapSpec: no routing; a knapsack picks sublayers from live costs",
                  "oracle": "oracle: the domain you picked, no routing",
                  "ar": "autoregressive: no drafts, no routing"}.get(strategy, "")
         body = escape(words or "the routing decision appears after the prompt's prefill")
-        return f'<div class="route idle">{body}{extra}</div>'
+        return f'<div class="route idle">{body}</div>'
+    lead = "routed to" if used else "KNN would route it to"
+    aside = "" if used else ' <span class="route-aside">(not used by this strategy)</span>'
     if route.get("unknown"):
-        cls, head = "unknown", (f"unknown → static set · best similarity {route['similarity']:.2f} is below "
-                                f"the threshold {route['threshold']:.2f}")
-    else:
-        d = route["domain"]
-        agree = sum(n["domain"] == d for n in route["neighbours"])
-        cls = "known"
-        head = (f'<span class="dom-dot" style="background:{domain_color(d)}"></span>routed to '
-                f"<b>{escape(d)}</b> · {agree}/{len(route['neighbours'])} neighbour votes · "
-                f"nearest similarity {route['similarity']:.2f}")
-        return f'<div class="route {cls}">{head}{_votes(route)}{extra}</div>'
-    return f'<div class="route {cls}">{escape(head)}{_votes(route)}{extra}</div>'
+        head = (f"{'unknown → static set' if used else 'KNN: unknown domain → static set'} · best similarity "
+                f"{route['similarity']:.2f} is below the threshold {route['threshold']:.2f}")
+        return f'<div class="route unknown">{escape(head)}{aside}{_votes(route)}</div>'
+    d = route["domain"]
+    agree = sum(n["domain"] == d for n in route["neighbours"])
+    head = (f'<span class="dom-dot" style="background:{domain_color(d)}"></span>{lead} '
+            f"<b>{escape(d)}</b> · {agree}/{len(route['neighbours'])} neighbour votes · "
+            f"nearest similarity {route['similarity']:.2f}")
+    return f'<div class="route known">{head}{aside}{_votes(route)}</div>'
 
 
 def _votes(route: dict) -> str:

@@ -53,17 +53,20 @@ def set_list(domain_sets: dict, static) -> list[tuple[str, object, str]]:
 def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_use=None,
               in_use_name: str = "", in_use_domain: str | None = None, history=None,
               height: int = 280, title: str | None = None) -> go.Figure:
-    """The Generate tab's layer map.
+    """The Generate tab's layer map: the set drafting now above every domain's set.
 
     in_use: the SkipSet drafting now (None: autoregressive — nothing skipped, nothing drafted).
-    history: [(step, SkipSet)] when the strategy changed its set during the run (KnapSpec).
+    history: [(step, SkipSet)] of the sets used; if the set changed during the run (KnapSpec) the
+    map shows the set in use above a per-step strip instead of the domain sets.
     """
-    domain_sets = domain_sets or {}
     top = []
     if in_use is not None:
         top = [(f"in use: {in_use_name or in_use.name or 'set'}", in_use,
                 domain_color(in_use_domain or in_use.name or "knapspec"))]
-    others = set_list(domain_sets, static)
+    changes = _changes(history)
+    if changes and top:
+        return _strip_map(n_layers, top, changes, height, title)
+    others = set_list(domain_sets or {}, static)
     rows = top + others
     if not rows:
         fig = go.Figure(layout=base_layout(title or "Layer map", height))
@@ -81,36 +84,42 @@ def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_us
         traces = [hm_top, hm_rest]
     else:
         traces = [_heatmap(rows, n_layers)[0]]
-    changes = _changes(history)
     if title is None:
-        if in_use is None:
-            title = "Layer map · coloured = skipped by each domain's draft"
-        else:
-            title = (f"Layer map · coloured = skipped · in use: {len(in_use.attn)} attn + "
-                     f"{len(in_use.mlp)} MLP")
-    layout = base_layout(title, height + (110 if changes else 0))
-    fig = go.Figure(data=traces, layout=layout)
-    strip_share = 0.32 if changes else 0.0
-    fig.update_layout(
-        yaxis=dict(tickmode="array", tickvals=list(range(len(labels))), ticktext=labels,
-                   autorange="reversed", tickfont=dict(size=9, color=INK), showgrid=False,
-                   domain=[strip_share + (0.08 if changes else 0), 1], fixedrange=True),
-        xaxis=dict(title=None, dtick=5, showgrid=False, tickfont=dict(size=9, color=MUTED),
-                   side="top", fixedrange=True, range=[-0.5, n_layers - 0.5]),
-        margin=dict(l=8, r=8, t=44, b=8))
+        title = ("Layer map · coloured = skipped by each domain's draft" if in_use is None else
+                 f"Layer map · coloured = skipped · in use: {len(in_use.attn)} attn + {len(in_use.mlp)} MLP")
+    fig = go.Figure(data=traces, layout=base_layout(title, height))
+    fig.update_layout(yaxis=_label_axis(labels), xaxis=_layer_axis(n_layers), margin=dict(l=8, r=8, t=44, b=8))
     if top and others:
         fig.add_hline(y=2 * len(top) - 0.5, line=dict(color=INK, width=1.5))
-    if changes:
-        fig.add_trace(_timeline_trace(changes, n_layers))
-        fig.update_layout(
-            xaxis2=dict(anchor="y2", title=dict(text="step", font=dict(size=10)), showgrid=False,
-                        tickfont=dict(size=9, color=MUTED)),
-            yaxis2=dict(domain=[0, strip_share], anchor="x2", tickmode="array",
-                        tickvals=[n_layers / 2, 1.5 * n_layers], ticktext=["attn", "mlp"],
-                        showgrid=False, tickfont=dict(size=9), autorange="reversed"),
-            annotations=[dict(text="skip set per step (re-optimised as the context grows)",
-                              x=0, y=strip_share + 0.02, xref="paper", yref="paper", showarrow=False,
-                              xanchor="left", yanchor="bottom", font=dict(size=10, color=MUTED))])
+    return fig
+
+
+def _label_axis(labels, domain=(0, 1)) -> dict:
+    return dict(tickmode="array", tickvals=list(range(len(labels))), ticktext=labels, autorange="reversed",
+                tickfont=dict(size=9, color=INK), showgrid=False, domain=list(domain), fixedrange=True)
+
+
+def _layer_axis(n_layers: int) -> dict:
+    return dict(title=None, dtick=5, showgrid=False, tickfont=dict(size=9, color=MUTED), side="top",
+                fixedrange=True, range=[-0.5, n_layers - 0.5])
+
+
+def _strip_map(n_layers: int, top, changes, height: int, title: str | None) -> go.Figure:
+    """The set in use (top) and, below, which sublayers were skipped from each re-optimisation on."""
+    hm, labels = _heatmap(top, n_layers)
+    strip = _timeline_trace(changes, n_layers)
+    title = title or f"Layer map · KnapSpec re-chose its set {len(changes) - 1}× as the context grew"
+    fig = go.Figure(data=[hm, strip], layout=base_layout(title, height))
+    fig.update_layout(
+        yaxis=_label_axis(labels, (0.80, 1.0)), xaxis=_layer_axis(n_layers),
+        xaxis2=dict(anchor="y2", showgrid=False, tickfont=dict(size=9, color=MUTED), fixedrange=True,
+                    title=dict(text="from step", font=dict(size=10, color=MUTED), standoff=2)),
+        yaxis2=dict(domain=[0.0, 0.66], anchor="x2", tickmode="array", showgrid=False, fixedrange=True,
+                    tickvals=[(n_layers - 1) / 2, n_layers + (n_layers - 1) / 2],
+                    ticktext=["attn<br>layers", "MLP<br>layers"], tickfont=dict(size=9), autorange="reversed"),
+        margin=dict(l=8, r=8, t=44, b=30))
+    fig.add_annotation(text="skip set per step (dark = skipped)", x=0, y=0.70, xref="paper", yref="paper",
+                       showarrow=False, xanchor="left", yanchor="bottom", font=dict(size=10, color=MUTED))
     return fig
 
 
