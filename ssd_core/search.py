@@ -168,6 +168,18 @@ def default_initial(n_layers: int) -> SkipSet:
     return SkipSet(frozenset(_middle(n_layers)[::2]), frozenset(), name="initial")
 
 
+def initial_with(n_layers: int, count: int) -> SkipSet:
+    """A starting set of `count` sublayers: middle attentions first, then upper, then middle MLPs."""
+    inner = list(searchable_layers(n_layers))
+    mid = _middle(n_layers)
+    order = [("attn", i) for i in mid[::2]] + [("attn", i) for i in inner[len(inner) // 2:]] + \
+            [("attn", i) for i in mid] + [("mlp", i) for i in mid[1::2]] + \
+            [(k, i) for i in inner for k in ("attn", "mlp")]
+    chosen = list(dict.fromkeys(order))[:count]
+    return SkipSet(frozenset(i for k, i in chosen if k == "attn"),
+                   frozenset(i for k, i in chosen if k == "mlp"), name="initial")
+
+
 def structured_candidates(n_layers: int) -> list[SkipSet]:
     """Hand-shaped sets worth one trial each: they cover regions random sampling rarely hits."""
     mid = _middle(n_layers)
@@ -178,8 +190,8 @@ def structured_candidates(n_layers: int) -> list[SkipSet]:
     return [SkipSet(frozenset(a), frozenset(m)) for a, m in shapes]
 
 
-def random_candidates(n_layers: int, n: int, seed: int = 0) -> list[SkipSet]:
-    """Random sets whose density varies from about one sublayer to half of them.
+def random_candidates(n_layers: int, n: int, seed: int = 0, min_skipped: int = 1) -> list[SkipSet]:
+    """Random sets whose density varies from about `min_skipped` sublayers to half of them.
 
     Uniform random bits (what optuna would draw) all skip about half the model; on hardware where
     only a few skipped sublayers pay off, that region would never be seen before TPE starts.
@@ -188,7 +200,8 @@ def random_candidates(n_layers: int, n: int, seed: int = 0) -> list[SkipSet]:
     slots = [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
     out = []
     for _ in range(n):
-        density = rng.uniform(1 / len(slots), 0.5)
+        low = min(max(1, min_skipped) / len(slots), 0.5)
+        density = rng.uniform(low, max(low, 0.5) if min_skipped <= 1 else min(0.6, low * 1.6))
         chosen = [slot for slot in slots if rng.random() < density] or [rng.choice(slots)]
         out.append(SkipSet(frozenset(i for k, i in chosen if k == "attn"),
                            frozenset(i for k, i in chosen if k == "mlp")))
@@ -299,7 +312,10 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
         raise ValueError(f"latency model is for {latency.n_layers} layers, the backbone has {L}")
     if budget < 1:
         raise ValueError("budget must be ≥ 1 candidate")
-    initial = initial if initial is not None else default_initial(L)
+    if initial is None:
+        initial = default_initial(L)
+        if len(initial) < min_skipped:
+            initial = initial_with(L, min_skipped)
     _check_initial(initial, L, min_skipped)
     n_random = n_random if n_random is not None else max(1, budget // 3)
     # the initial set goes first so the result can never be worse than it
@@ -345,7 +361,7 @@ def _result(history: list[dict], name: str) -> SearchResult:
 
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
-               context_len: int = 256, static_per_domain: int | None = 4
+               context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1
                ) -> tuple[dict[str, SearchResult], SearchResult]:
     """One set per domain, plus the global static ("Self-SD mix") set searched on all domains.
 
@@ -354,7 +370,8 @@ def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency
     """
     if STATIC in data_by_domain:
         raise ValueError(f"{STATIC!r} is reserved for the global set; rename that domain")
-    kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress)
+    kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress,
+              min_skipped=min_skipped)
     per_domain = {d: search_skip_set(backbone, data, latency, name=d, **kw)
                   for d, data in data_by_domain.items()}
     limit = None if static_per_domain is None else static_per_domain * len(data_by_domain)
