@@ -9,6 +9,9 @@ event handlers as plain generator functions, and the Blocks layout.
 from __future__ import annotations
 
 import os
+import time
+
+T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone running `python app.py` waits
 
 # OpenMP threads that spin while waiting turn a CPU shared with anything else into a crawl (measured
 # here: 2 threads at ~500 ms per decode step vs ~55 ms when they sleep); set before torch loads.
@@ -18,7 +21,6 @@ import argparse
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -248,6 +250,34 @@ def _session(s) -> Session:
     return s if isinstance(s, Session) else Session()
 
 
+def page_load(studio: "Studio", built_with, session):
+    """On page load: this visitor's own state (which also opens the event stream before the first
+    click) and, if a calibration was installed after the layout was built, everything that shows it."""
+    session = _session(session)
+    cal = studio.calibration
+    if cal is built_with:
+        return (session, *[SKIP()] * 11)
+    text, sets, match = domains_views(studio)
+    cost, what_if_fig = _cost_view(studio, None, None)
+    return (session, gr.update(visible=cal is None), SKIP(), gr.update(value="KNN-SSD" if cal else "autoregressive"),
+            gr.update(value=cal.router.k) if cal else SKIP(), _map_fig(studio, None), _layer_fig(studio, None),
+            cost, what_if_fig, text, gr.update(value=sets, visible=cal is not None),
+            gr.update(value=match, visible=cal is not None))
+
+
+def domains_views(studio: "Studio"):
+    """The Domains & layer sets tab: a sentence, every domain's set, the matchness heatmap."""
+    cal = studio.calibration
+    if cal is None:
+        return "No calibration yet: run it from the banner at the top.", None, None
+    acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
+    text = ("Each domain gets its own skip set, searched offline. "
+            + (f"Held-out routing accuracy of the KNN router: **{acc:.0%}**; " if acc is not None else "")
+            + f"prompts less similar than {cal.router.threshold:.2f} to every anchor count as unknown → static set.")
+    return (text, vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
+            vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)))
+
+
 # --- building a request -----------------------------------------------------------------------------
 def make_config(max_new, gamma, threshold, temperature, top_p) -> DecodeConfig:
     return DecodeConfig(max_new_tokens=int(max_new), gamma=int(gamma), threshold=float(threshold),
@@ -258,12 +288,8 @@ def make_config(max_new, gamma, threshold, temperature, top_p) -> DecodeConfig:
 def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | None):
     cal = studio.calibration
     if cal is None or name == "ar":
-        return _ar()
+        return Autoregressive()
     return cal.strategy(name, gamma=int(gamma), k=int(k), domain=domain or None)
-
-
-def _ar():
-    return Autoregressive()
 
 
 def _timed(events):
@@ -314,8 +340,8 @@ def _layer_fig(studio: Studio, run: Run | None):
 
 def _map_fig(studio: Studio, run: Run | None):
     if studio.domain_map is None:
-        return vmap.domain_map([], height=PLOT_H, title=studio.map_error or studio.cal_error[:90]
-                               or "no domain map")
+        return vmap.domain_map([], height=PLOT_H, title="Domain map · " + (
+            "needs a calibration" if studio.calibration is None else "unavailable (see the log)"))
     if run is None or run.start is None:
         return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=PLOT_H)
     xy = studio.domain_map.transform(run.start.embedding)
@@ -480,7 +506,7 @@ def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma
         return
     yield _out(session=session, race=vstats.race_html(None, running="2/2 · autoregressive running…"))
     ar_ids, ar_time = [], 0.0
-    for ev, dt in _timed(decode(studio.backbone, prompt.strip(), _ar(), cfg, should_stop=lambda: session.stop)):
+    for ev, dt in _timed(decode(studio.backbone, prompt.strip(), Autoregressive(), cfg, should_stop=lambda: session.stop)):
         ar_time += dt
         ar_ids.extend([ev.first_token] if isinstance(ev, Start) else ev.committed)
         if len(ar_ids) % 16 == 0:
@@ -642,8 +668,8 @@ def run_calibration(studio: Studio, progress=gr.Progress(track_tqdm=True)):
         return gr.update(value=_banner(f"Calibration failed: {exc}"), visible=True), gr.update(visible=True)
     dm, err = _load_map(cal)
     studio.install(cal, dm, err)
-    return (gr.update(value=_banner(f"Calibration written to {studio.cal_folder} and loaded. Reload the page "
-                                    "to see the domain map and layer sets.", ok=True), visible=True),
+    return (gr.update(value=_banner(f"Calibration written to {studio.cal_folder} and loaded: reload the page "
+                                    "to draft with it.", ok=True), visible=True),
             gr.update(visible=False))
 
 
@@ -728,9 +754,9 @@ def build(studio: Studio) -> gr.Blocks:
         session = gr.State(None)
         gr.HTML(header_html(studio), elem_id="header")
         with gr.Row(visible=cal is None, elem_id="cal-row") as cal_row:
-            banner = gr.HTML(_banner("No calibration for this model: only autoregressive decoding is "
-                                     f"available. {studio.cal_error}") if cal is None else "")
-            cal_btn = gr.Button("Run calibration (quick, a few minutes)", variant="primary", scale=0,
+            banner = gr.HTML(_banner(f"No usable calibration for {studio.backbone.name}, so only autoregressive "
+                                     f"decoding is available. ({studio.cal_error})") if cal is None else "")
+            cal_btn = gr.Button("Run calibration (quick: ≈ 5–10 min on 2 cores)", variant="primary", scale=0,
                                 min_width=260)
         with gr.Tabs():
             with gr.Tab("Generate", id="generate"):
@@ -787,16 +813,10 @@ def build(studio: Studio) -> gr.Blocks:
                                           value=round(cal.latency.verify_cost(5), 2) if cal else 1.3)
                 what_if_plot = gr.Plot(whatif_init, show_label=False, elem_id="what-if")
             with gr.Tab("Domains & layer sets", id="domains"):
-                if cal is not None:
-                    acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
-                    gr.Markdown(f"Each domain gets its own skip set (searched offline). Held-out routing accuracy "
-                                f"of the KNN router: **{acc:.0%}**, unknown-domain threshold "
-                                f"{cal.router.threshold:.2f}." if acc is not None else "")
-                    gr.Plot(vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
-                            show_label=False)
-                    gr.Plot(vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)), show_label=False)
-                else:
-                    gr.Markdown("No calibration yet: run it from the banner at the top.")
+                d_text, d_sets, d_match = domains_views(studio)
+                domains_md = gr.Markdown(d_text)
+                sets_plot = gr.Plot(d_sets, show_label=False, visible=cal is not None)
+                match_plot = gr.Plot(d_match, show_label=False, visible=cal is not None)
             with gr.Tab("Benchmark", id="bench"):
                 b = studio.bench
                 gr.HTML(vbench.summary_html(b["summary"], b["summary_path"]) + vbench.core_html(b["core"]))
@@ -835,6 +855,9 @@ def build(studio: Studio) -> gr.Blocks:
                         show_progress="hidden")
         cal_btn.click(partial(run_calibration, studio), None, [banner, cal_btn], concurrency_limit=1,
                       concurrency_id="model")
+        fresh = [session, cal_row, banner, strategy, k, domain_plot, layer_plot, cost, what_if_plot, domains_md,
+                 sets_plot, match_plot]
+        demo.load(partial(page_load, studio, cal), [session], fresh, show_progress="hidden")
     return demo
 
 
@@ -846,13 +869,14 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    t0 = time.perf_counter()
+    imports_s = time.perf_counter() - T_LAUNCH
     studio = load_studio(args.model, args.calibration, threads=args.threads)
     demo = build(studio)
     t = studio.timings
-    print(f"start-up: {time.perf_counter() - t0:.1f} s (model {t['model_s']} s; UMAP import + warm "
-          f"{t['umap_s']} s in parallel, {t['waited_for_umap_s']} s of it waited for); calibration: "
-          f"{'loaded from ' + str(studio.cal_folder) if studio.calibration else studio.cal_error}", flush=True)
+    where = f"loaded from {studio.cal_folder}" if studio.calibration else studio.cal_error
+    print(f"start-up: {time.perf_counter() - T_LAUNCH:.1f} s (imports {imports_s:.1f} s, model {t['model_s']} s; "
+          f"UMAP import + warm {t['umap_s']} s in parallel, {t['waited_for_umap_s']} s of it waited for); "
+          f"calibration: {where}", flush=True)
     demo.queue(default_concurrency_limit=4).launch(css=_css(), head=TOOLTIP_JS, theme=THEME)
 
 

@@ -256,17 +256,24 @@ def test_app_without_calibration_runs_autoregressive_and_offers_one(tiny, tiny_c
     calls = []
     monkeypatch.setattr(ssd_core.calibrate, "calibrate",
                         lambda *a, **kw: calls.append(kw) or tiny_calibration)
+    assert all(v == gr.skip() for v in app.page_load(bare, None, None)[1:])   # nothing changed yet
     banner, button = app.run_calibration(bare, progress=lambda *a, **kw: None)
     assert calls and calls[0]["backbone"] is tiny and "loaded" in banner["value"]
     assert bare.calibration is tiny_calibration and button["visible"] is False
+    fresh = app.page_load(bare, None, None)             # a page built before the calibration existed
+    assert fresh[1]["visible"] is False and fresh[3]["value"] == "KNN-SSD"
+    assert "routing accuracy" in fresh[9] and fresh[10]["visible"] is True
 
 
 def test_the_layout_has_every_part(studio):
     demo = app.build(studio)
+    assert isinstance(app.page_load(studio, studio.calibration, None)[0], app.Session)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     for part in ("prompt", "strategy", "generate-btn", "race-btn", "stop-btn", "tokens", "legend", "stats",
                  "route", "domain-map", "layer-map", "walk", "cost", "what-if"):
         assert part in ids, part
+    calibrate_fn = [f for f in demo.fns.values() if getattr(f.fn, "func", None) is app.run_calibration]
+    assert calibrate_fn and calibrate_fn[0].tracks_progress          # tqdm bars become a progress bar
     labels = {c.get("props", {}).get("label") for c in demo.config["components"]}
     assert {"Generate", "Step through", "Why (not) faster?", "Domains & layer sets", "Benchmark",
             "About"} <= labels
