@@ -148,7 +148,7 @@ def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float |
         for col, c, v, text in points:
             fig.add_trace(go.Scatter(
                 x=[alpha_here], y=[c], mode="markers+text", text=[text],
-                textposition="bottom center" if c > 0.8 else "top center", textfont=dict(size=10, color=INK),
+                textposition=("bottom" if c > 0.8 else "top") + (" left" if alpha_here > 0.75 else " center"), textfont=dict(size=10, color=INK),
                 marker=dict(symbol="star", size=15, color=INK, line=dict(color="#fff", width=1)),
                 hovertemplate=(f"acceptance {alpha_here:.2f}, c {c:.2f}<br>predicted "
                                f"{float(speedup(alpha_here, c, v, gamma)):.2f}×<extra></extra>")), row=1, col=col)
