@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import unicodedata
 
 T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone running `python app.py` waits
 
@@ -18,6 +19,7 @@ T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone r
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import html
 import json
 import logging
 import threading
@@ -31,6 +33,7 @@ from ssd_core import calibration as cal_io
 from ssd_core.backbone import load_backbone
 from ssd_core.decode import DecodeConfig, Start, decode
 from ssd_core.domains import DOMAINS, load_prompts, split
+from ssd_core.generate import generate as core_generate
 from ssd_core.generate import summarize
 from ssd_core.skipset import SkipSet
 from ssd_core.strategies import Autoregressive
@@ -49,7 +52,13 @@ BENCH_DIR = ROOT / "assets" / "bench"
 STRATEGIES = {"KNN-SSD": "knn", "static set": "static", "KnapSpec": "knapspec", "oracle": "oracle",
               "autoregressive": "ar"}
 LABELS = {v: k for k, v in STRATEGIES.items()}
-MAX_PROMPT_TOKENS = 1024
+MAX_PROMPT_TOKENS = 1024        # longer prompts are shortened (head + tail) with a visible notice
+MAX_PROMPT_CHARS = 100_000      # request size limit: beyond this we refuse instead of tokenising
+MAX_NEW_TOKENS = 512
+QUEUE_SIZE = 64                 # waiting requests beyond this are turned away by gradio's queue
+# Models a public Space may serve (never arbitrary paths, never trust_remote_code).
+ALLOWED_MODELS = (None, "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
+                  "Qwen/Qwen2.5-0.5B-Instruct")
 PLOT_H = 270                  # the two Generate-tab figures; with the rest it fits 1280×720
 QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
 SKIP = gr.skip
@@ -125,7 +134,7 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
         dm, err = early.get("map") or _load_map(cal)
         studio.install(cal, dm, err)
     except cal_io.CalibrationError as exc:
-        studio.cal_error = str(exc)
+        studio.cal_error = public_message(str(exc))
     if warm and studio.calibration is not None:
         warm_up(studio)
     studio.timings = {"model_s": round(t_model, 1), "umap_s": round(early.get("seconds", 0.0), 1),
@@ -280,9 +289,19 @@ def domains_views(studio: "Studio"):
 
 # --- building a request -----------------------------------------------------------------------------
 def make_config(max_new, gamma, threshold, temperature, top_p) -> DecodeConfig:
+    """Settings from the UI or the API; anything out of range raises ValueError with a message."""
+    if not 1 <= float(max_new) <= MAX_NEW_TOKENS:
+        raise ValueError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}")
     return DecodeConfig(max_new_tokens=int(max_new), gamma=int(gamma), threshold=float(threshold),
                         temperature=float(temperature), top_p=float(top_p), seed=0,
                         max_prompt_tokens=MAX_PROMPT_TOKENS)
+
+
+def safe_k(k) -> int:
+    """K, the number of neighbours the router votes with: a whole number in 1..50."""
+    if not 1 <= float(k) <= 50:
+        raise ValueError("K (neighbours) must be between 1 and 50")
+    return int(k)
 
 
 def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | None):
@@ -404,13 +423,53 @@ def _out(**changes):
     return tuple(changes[k] if k in changes else SKIP() for k in GEN_OUTPUTS)
 
 
+def public_message(text: str) -> str:
+    """A message fit for a public page: no absolute file-system paths."""
+    text = text.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
+    return text.replace(str(Path.home()), "~")
+
+
+def generate_text(studio: "Studio", prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
+                  gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
+                  top_p: float = 1.0) -> dict:
+    """The plain API: one whole answer and its stats (gradio_client, the soak script and tests).
+
+    Bad input never raises: the answer is {"error": message} and the server keeps serving.
+    """
+    err, cfg = _problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p))
+    if err:
+        return {"error": err}
+    name = STRATEGIES.get(strategy, strategy if strategy in STRATEGIES.values() else None)
+    if name is None:
+        return {"error": f"unknown strategy {str(strategy)[:40]!r}; choose from {', '.join(STRATEGIES)}"}
+    if studio.calibration is None:
+        name = "ar"
+    g = core_generate(studio.backbone, clean_prompt(prompt).strip(), make_strategy(studio, name, cfg.gamma, 5, None),
+                      cfg)
+    st = g.stats
+    return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
+            "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
+            "truncated": g.start.truncated, "domain": (g.start.info or {}).get("domain")}
+
+
+def clean_prompt(prompt) -> str:
+    """Drop control characters (keeping newlines and tabs); emoji, RTL and CJK text pass as they are."""
+    if not isinstance(prompt, str):
+        return ""
+    return "".join(c for c in prompt if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cs"))
+
+
 def _problem(prompt: str, make) -> tuple[str, object]:
     """(error message, value): a bad prompt or setting becomes a message, never a traceback."""
-    if not prompt or not prompt.strip():
+    prompt = clean_prompt(prompt)
+    if not clean_prompt(prompt).strip():
         return "Type a prompt first (or click an example).", None
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return (f"That prompt has {len(prompt):,} characters; the limit is {MAX_PROMPT_CHARS:,}. "
+                "Please shorten it."), None
     try:
         return "", make()
-    except ValueError as exc:
+    except (ValueError, TypeError, OverflowError) as exc:
         return f"Setting not accepted: {exc}", None
 
 
@@ -468,13 +527,14 @@ def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, g
              temperature, top_p, k):
     """Generate: stream coloured tokens, stats and (when they change) the two figures."""
     session = _session(session)
-    err, cfg = _problem(prompt, lambda: make_config(max_new, gamma, threshold, temperature, top_p))
+    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p), safe_k(k)))
     if err:
         yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
+    cfg, k = got
     strategy = STRATEGIES.get(strategy_label, "knn")
     session.race = None
-    for update in _stream(studio, session, prompt.strip(), strategy, domain, cfg, int(k)):
+    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
         yield _out(session=session, **update)
     cost, what_if = _cost_view(studio, session.run, None)
     yield _out(session=session, cost=cost, what_if=what_if,
@@ -489,16 +549,17 @@ def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma
          temperature, top_p, k):
     """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
     session = _session(session)
-    err, cfg = _problem(prompt, lambda: make_config(max_new, gamma, threshold, temperature, top_p))
+    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p), safe_k(k)))
     if err:
         yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
+    cfg, k = got
     strategy = STRATEGIES.get(strategy_label, "knn")
     if strategy == "ar":
         strategy = "knn" if studio.calibration is not None else "ar"
     session.race = None
     yield _out(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
-    for update in _stream(studio, session, prompt.strip(), strategy, domain, cfg, int(k)):
+    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
         yield _out(session=session, **update)
     run = session.run
     if session.stop:
@@ -506,7 +567,7 @@ def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma
         return
     yield _out(session=session, race=vstats.race_html(None, running="2/2 · autoregressive running…"))
     ar_ids, ar_time = [], 0.0
-    for ev, dt in _timed(decode(studio.backbone, prompt.strip(), Autoregressive(), cfg, should_stop=lambda: session.stop)):
+    for ev, dt in _timed(decode(studio.backbone, clean_prompt(prompt).strip(), Autoregressive(), cfg, should_stop=lambda: session.stop)):
         ar_time += dt
         ar_ids.extend([ev.first_token] if isinstance(ev, Start) else ev.committed)
         if len(ar_ids) % 16 == 0:
@@ -602,21 +663,24 @@ def _advance(studio: Studio, walk: Walk) -> None:
 
 def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k):
     session = _session(session)
-    if not prompt or not prompt.strip():
+    if not clean_prompt(prompt).strip():
         return session, '<div class="walk idle">Type a prompt first (or click an example).</div>'
     strategy = STRATEGIES.get(strategy_label, "knn")
     if strategy == "ar" or studio.calibration is None:
         strategy = "knn" if studio.calibration is not None else "ar"
-    cfg = DecodeConfig(max_new_tokens=256, gamma=int(gamma), max_prompt_tokens=MAX_PROMPT_TOKENS)
+    err, got = _problem(prompt, lambda: (make_config(256, gamma, 0.0, 0.0, 1.0), safe_k(k)))
+    if err:
+        return session, f'<div class="walk idle">{html.escape(err)}</div>'
+    cfg, k = got
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain)
-    events = decode(studio.backbone, prompt.strip(), strat, cfg)
+    events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
     start = next(events)
     route = (start.info or {}).get("route")
     skip = (start.info or {}).get("skip")
     desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
             "sublayers" if route and skip else
             f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
-    walk = Walk(events, prompt.strip(), desc, ids=[start.first_token])
+    walk = Walk(events, clean_prompt(prompt).strip(), desc, ids=[start.first_token])
     _advance(studio, walk)
     session.walk = walk
     return session, _walk_view(studio, walk)
@@ -858,6 +922,11 @@ def build(studio: Studio) -> gr.Blocks:
         fresh = [session, cal_row, banner, strategy, k, domain_plot, layer_plot, cost, what_if_plot, domains_md,
                  sets_plot, match_plot]
         demo.load(partial(page_load, studio, cal), [session], fresh, show_progress="hidden")
+        def generate_text_api(prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
+                              gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
+                              top_p: float = 1.0) -> dict:
+            return generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p)
+        gr.api(generate_text_api, api_name="generate_text", concurrency_limit=1, concurrency_id="model")
     return demo
 
 
@@ -868,6 +937,8 @@ def main(argv=None):
                     help="calibration folder (default: assets/calibration/<model slug>)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    if os.environ.get("SPACE_ID") and args.model not in ALLOWED_MODELS:
+        raise SystemExit(f"--model {args.model!r} is not on this Space's allow-list: {ALLOWED_MODELS[2:]}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
     studio = load_studio(args.model, args.calibration, threads=args.threads)
@@ -877,7 +948,8 @@ def main(argv=None):
     print(f"start-up: {time.perf_counter() - T_LAUNCH:.1f} s (imports {imports_s:.1f} s, model {t['model_s']} s; "
           f"UMAP import + warm {t['umap_s']} s in parallel, {t['waited_for_umap_s']} s of it waited for); "
           f"calibration: {where}", flush=True)
-    demo.queue(default_concurrency_limit=4).launch(css=_css(), head=TOOLTIP_JS, theme=THEME)
+    demo.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE).launch(css=_css(), head=TOOLTIP_JS, theme=THEME,
+                                                                      max_file_size="1mb")
 
 
 if __name__ == "__main__":

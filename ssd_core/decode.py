@@ -153,7 +153,12 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     """
     strategy = strategy or Strategy()
     if isinstance(prompt, str):
-        prompt = backbone.encode(prompt, max_tokens=config.max_prompt_tokens)
+        # leave room in the model's context for the answer: longer prompts are shortened
+        room = backbone.max_positions - config.max_new_tokens - config.gamma - 2
+        if room < 72:
+            raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in "
+                             f"the model's {backbone.max_positions}-token context")
+        prompt = backbone.encode(prompt, max_tokens=min(config.max_prompt_tokens or room, room))
     gen = torch.Generator().manual_seed(config.seed if config.seed is not None else
                                         int(time.time_ns() % (2 ** 31)))
     budget = config.max_new_tokens

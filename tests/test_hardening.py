@@ -1,0 +1,221 @@
+"""A public Space gets every kind of input and many users at once: bad input, concurrency,
+cancellation, broken artefacts, and what the server exposes. Tiny model, launched app."""
+import json
+import math
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+import app
+from ssd_core.decode import DecodeConfig, Start, decode
+from ssd_core.generate import generate as core_generate
+from ssd_core.strategies import Autoregressive
+
+BAD_PROMPTS = {
+    "empty": "",
+    "whitespace": "  \n\t  ",
+    "huge": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 1150,   # ≈ 50,000 chars
+    "control": "\x00\x07abc\x1b[31m red \x7f",
+    "emoji": "🙂🚀 hello 👩‍🔬",
+    "rtl": "مرحبا بالعالم، كيف حالك؟",
+    "cjk": "你好，世界。今天天气怎么样？",
+}
+BAD_SETTINGS = {
+    "max_new_huge": dict(max_new=10 ** 7),
+    "max_new_negative": dict(max_new=-5),
+    "max_new_nan": dict(max_new=float("nan")),
+    "gamma_zero": dict(gamma=0),
+    "gamma_nan": dict(gamma=float("nan")),
+    "threshold_high": dict(threshold=1.5),
+    "threshold_negative": dict(threshold=-0.1),
+    "temperature_nan": dict(temperature=float("nan")),
+    "top_p_inf": dict(top_p=float("inf")),
+    "k_nan": dict(k=float("nan")),
+}
+GOOD = dict(domain=None, max_new=12, gamma=3, threshold=0.0, temperature=0.0, top_p=1.0, k=5)
+
+
+@pytest.fixture(scope="module")
+def studio(tiny, tiny_calibration):
+    return app.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+
+
+def run_handler(studio, prompt, **kw):
+    s = {**GOOD, **kw}
+    return list(app.generate(studio, None, prompt, "KNN-SSD", s["domain"], s["max_new"], s["gamma"],
+                             s["threshold"], s["temperature"], s["top_p"], s["k"]))
+
+
+def tokens_html(outputs):
+    i = app.GEN_OUTPUTS.index("tokens")
+    return "".join(str(o[i]) for o in outputs)
+
+
+# --- the corpus through the handler the UI uses -------------------------------------------------------
+@pytest.mark.parametrize("case", BAD_PROMPTS)
+def test_bad_prompts_through_the_handler(studio, case):
+    out = run_handler(studio, BAD_PROMPTS[case])
+    html = tokens_html(out)
+    assert "Traceback" not in html
+    if case in ("empty", "whitespace"):
+        assert "Type a prompt" in html
+    else:
+        assert 'class="tok' in html                       # it generated
+
+
+def test_huge_prompt_is_shortened_with_a_notice(studio):
+    out = run_handler(studio, BAD_PROMPTS["huge"])
+    i = app.GEN_OUTPUTS.index("stats")
+    assert any("shortened" in str(o[i]) for o in out)
+
+
+@pytest.mark.parametrize("case", BAD_SETTINGS)
+def test_bad_settings_through_the_handler(studio, case):
+    html = tokens_html(run_handler(studio, "hello", **BAD_SETTINGS[case]))
+    assert "Setting not accepted" in html and "Traceback" not in html
+
+
+@pytest.mark.parametrize("case", BAD_SETTINGS)
+def test_bad_settings_through_the_api_function(studio, case):
+    s = {**GOOD, **BAD_SETTINGS[case]}
+    if case == "k_nan":
+        pytest.skip("the plain API has no K")
+    res = app.generate_text(studio, "hello", "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
+                            s["temperature"], s["top_p"])
+    assert "error" in res and "Setting not accepted" in res["error"]
+
+
+def test_control_characters_are_dropped_and_unicode_kept():
+    assert app.clean_prompt("a\x00b\x1bc\nd\te") == "abc\nd\te"
+    assert app.clean_prompt(BAD_PROMPTS["cjk"]) == BAD_PROMPTS["cjk"]
+    assert app.clean_prompt(None) == ""
+
+
+def test_request_size_limit(studio):
+    res = app.generate_text(studio, "x" * (app.MAX_PROMPT_CHARS + 1))
+    assert "limit" in res["error"]
+
+
+# --- a launched app, through gradio_client ------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(studio):
+    demo = app.build(studio)
+    port = _free_port()
+    demo.queue(default_concurrency_limit=4, max_size=app.QUEUE_SIZE).launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = f"http://127.0.0.1:{port}"
+    yield url
+    demo.close()
+
+
+def _client(url):
+    from gradio_client import Client
+    return Client(url, verbose=False)
+
+
+CLIENT_CASES = {**{k: (v, {}) for k, v in BAD_PROMPTS.items()},
+                **{k: ("hello", v) for k, v in BAD_SETTINGS.items() if k != "k_nan"}}
+
+
+@pytest.mark.parametrize("case", CLIENT_CASES)
+def test_bad_input_through_gradio_client(served, case):
+    prompt, settings = CLIENT_CASES[case]
+    # JSON has no NaN / inf: a client can only send them as text, which the server must refuse too
+    s = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+         for k, v in {**GOOD, **settings}.items()}
+    res = _client(served).predict(prompt, "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
+                                  s["temperature"], s["top_p"], api_name="/generate_text")
+    if case in ("empty", "whitespace") or case in BAD_SETTINGS:
+        assert "error" in res
+    else:
+        assert res.get("new_tokens", 0) >= 1, res
+    # and the server keeps serving
+    ok = _client(served).predict("still there?", "KNN-SSD", 4, 3, 0.0, 0.0, 1.0, api_name="/generate_text")
+    assert ok["new_tokens"] >= 1
+
+
+def test_eight_concurrent_clients_each_get_their_own_lossless_text(served, tiny):
+    prompts = [f"client {i}: tell me about {w}" for i, w in
+               enumerate(["cats", "rain", "maths", "trains", "tea", "stars", "music", "code"])]
+    cfg = DecodeConfig(max_new_tokens=16, gamma=3, max_prompt_tokens=app.MAX_PROMPT_TOKENS)
+    expected = {p: core_generate(tiny, p, Autoregressive(), cfg).text for p in prompts}
+    got, errors = {}, []
+
+    def one(p):
+        try:
+            got[p] = _client(served).predict(p, "KNN-SSD", 16, 3, 0.0, 0.0, 1.0, api_name="/generate_text")
+        except Exception as exc:         # noqa: BLE001 - the test reports every failure
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    for p in prompts:
+        assert got[p]["text"] == expected[p]
+
+
+def test_no_file_system_paths_in_the_config(served):
+    import urllib.request
+    body = urllib.request.urlopen(served + "/config", timeout=30).read().decode()
+    assert str(app.ROOT) not in body
+
+
+# --- cancellation -----------------------------------------------------------------------------
+def test_stop_ends_generation_within_one_step(studio):
+    session = app.Session()
+    before = threading.active_count()
+    gen = app.generate(studio, session, "count to one hundred", "KNN-SSD", None, 200, 3, 0.0, 0.0, 1.0, 5)
+    next(gen)
+    next(gen)
+    session.stop = True
+    rest = list(gen)
+    assert len(rest) <= 3                    # the step in flight, then the closing views
+    assert session.run.stats.new_tokens < 200
+    assert threading.active_count() <= before
+    again = run_handler(studio, "and the next request works")
+    assert 'class="tok' in tokens_html(again)
+
+
+def test_should_stop_is_polled_every_step(tiny):
+    calls = []
+
+    def stop_after_two():
+        calls.append(1)
+        return len(calls) > 2
+    events = list(decode(tiny, "stop me", Autoregressive(), DecodeConfig(max_new_tokens=50),
+                         should_stop=stop_after_two))
+    assert isinstance(events[0], Start) and len(events) == 3
+
+
+# --- artefacts ------------------------------------------------------------------------------------
+def test_corrupt_calibration_falls_back_with_a_banner(tiny, tiny_calibration, tmp_path):
+    bad = tmp_path / "cal"
+    shutil.copytree(tiny_calibration.folder, bad)
+    (bad / "router.npz").write_bytes(b"garbage")
+    st = app.load_studio(backbone=tiny, calibration=bad, warm=False)
+    assert st.calibration is None
+    assert "checksum mismatch" in st.cal_error
+    assert str(app.ROOT) not in st.cal_error and str(tmp_path) in st.cal_error or "cal" in st.cal_error
+    res = app.generate_text(st, "hello there", "KNN-SSD", 8)
+    assert res["strategy"] == "ar" and res["new_tokens"] >= 1
+
+
+def test_missing_calibration_falls_back(tiny, tmp_path):
+    st = app.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
+    assert st.calibration is None and "python -m ssd_core.calibrate" in st.cal_error
+
+
+def test_public_message_hides_repo_paths():
+    msg = app.public_message(f"checksum mismatch for {app.ROOT}/assets/calibration/x/router.npz")
+    assert str(app.ROOT) not in msg and "assets/calibration/x/router.npz" in msg
