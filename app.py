@@ -803,7 +803,7 @@ prompt; on a 135M model on a CPU that is often *below* 1× — the **Why (not) f
 
 
 THEME = gr.themes.Base(primary_hue="green", neutral_hue="slate", spacing_size="sm", radius_size="md",
-                       font=["Inter", "ui-sans-serif", "system-ui", "sans-serif"])
+                       font=[gr.themes.Font(n) for n in ("Inter", "ui-sans-serif", "system-ui", "sans-serif")])
 
 
 def _css() -> str:
