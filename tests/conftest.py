@@ -1,5 +1,6 @@
 import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # shared CPUs: spinning threads starve each other
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import sys
 
