@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .domain_map import _sha256 as sha256_file  # one checksum function for every artefact
 from .domains import DOMAIN_DIR, domains_hash
 from .latency import Auto, LatencyModel
 from .skipset import SkipSet
@@ -28,14 +29,6 @@ STRATEGIES = ("ar", "static", "knn", "oracle", "knapspec", "auto")
 
 class CalibrationError(ValueError):
     """A calibration is missing, corrupt, or made for another model / other domain files."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
