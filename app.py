@@ -17,6 +17,9 @@ T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone r
 # OpenMP threads that spin while waiting turn a CPU shared with anything else into a crawl (measured
 # here: 2 threads at ~500 ms per decode step vs ~55 ms when they sleep); set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numba (UMAP) would otherwise load a second OpenMP runtime beside torch's, in a thread that runs while
+# torch decodes at start-up; its own work-queue layer is enough for placing one point at a time.
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 import argparse
 import html

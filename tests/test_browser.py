@@ -58,7 +58,7 @@ def server():
             if time.perf_counter() - t0 > 240:
                 pytest.fail("the app did not start within 240 s:\n" + "".join(lines[-30:]))
         else:
-            pytest.fail("the app exited during start-up:\n" + "".join(lines[-30:]))
+            pytest.fail(f"the app exited during start-up (exit code {proc.wait()}):\n" + "".join(lines[-30:]))
         wall = time.perf_counter() - t0
         reported = re.search(r"start-up: ([\d.]+) s", "".join(lines))
         yield {"url": f"http://127.0.0.1:{port}", "wall_s": wall, "log": "".join(lines),
