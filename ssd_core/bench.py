@@ -44,6 +44,9 @@ DEFINITIONS = {
     "speedup": "tokens_per_s of the strategy ÷ tokens_per_s of ar over the same prompts in the same "
                "run (both sums over the same prompts: total new tokens ÷ total wall time)",
     "decode_speedup": "decode_tokens_per_s of the strategy ÷ that of ar, same prompts",
+    "speedup_median": "median over prompts of the per-prompt ratio (tokens ÷ wall of the strategy) ÷ "
+                      "(tokens ÷ wall of ar): a companion to speedup that a burst of load from other "
+                      "processes during one prompt cannot move much",
     "speedup_vs_hf_generate": "tokens_per_s of the strategy ÷ tokens_per_s of transformers' "
                               "model.generate (greedy), both over the prompts where model.generate ran",
     "tau": "mean accepted tokens: tokens committed per verification step, bonus token included, "
@@ -168,6 +171,17 @@ def speedup(records: list[dict], ar_records: list[dict], key: str = "tokens_per_
     """Ratio of aggregate tokens/s (or decode tokens/s) over the same prompts."""
     ours, base = aggregate(records)[key], aggregate(ar_records)[key]
     return ours / base if base > 0 else None
+
+
+def median_speedup(records: list[dict], ar_records: list[dict]) -> float | None:
+    """Median of per-prompt tokens/s ratios; records and ar_records are the same prompts in order."""
+    ratios = sorted((r["new_tokens"] / r["wall_s"]) / (a["new_tokens"] / a["wall_s"])
+                    for r, a in zip(records, ar_records)
+                    if r["wall_s"] > 0 and a["wall_s"] > 0 and a["new_tokens"] > 0)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def combine_predictions(records: list[dict], key: str) -> float | None:
@@ -363,6 +377,7 @@ def _group_stats(recs: list[dict], ar_recs: list[dict], gamma: int) -> dict:
         "decode_tokens_per_s": _round(agg["decode_tokens_per_s"], 3),
         "speedup": _round(speedup(recs, ar_recs)),
         "decode_speedup": _round(speedup(recs, ar_recs, "decode_tokens_per_s")),
+        "speedup_median": _round(median_speedup(recs, ar_recs)),
         "tau": _round(agg["tau"]), "alpha": _round(agg["alpha"]),
         "tau_iid_from_alpha": _round(expected_tokens(agg["alpha"], gamma)) if agg["drafted"] else 1.0,
         "predicted_speedup_measured_alpha": _round(combine_predictions(recs, "predicted_speedup_measured_alpha")),
@@ -407,6 +422,7 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
         "model": backbone.name,
         "model_info": backbone.describe(),
         "calibration": str(calibration.folder) if calibration.folder else None,
+        "calibration_created": calibration.meta.get("created"),
         "lossless": not failures,
         "lossless_failures": failures,
         "strategies": strategies,

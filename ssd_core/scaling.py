@@ -28,10 +28,12 @@ from .calibration import default_folder
 from .decode import DecodeConfig
 from .domains import DOMAIN_DIR, load_prompts
 from .generate import generate
-from .knapspec import choose_skip, prompt_similarity
+from .backbone import EMPTY
+from .knapspec import choose_skip, knapsack_min_loss, prompt_similarity
 
 LENGTHS = (256, 1024, 2048, 4096)
 SWEEP = (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8000)
+SAVINGS = (0.15, 0.30)        # fixed shares of a full step's time for the composition sweep
 INSTRUCTION = "Summarize the following news reports in a few sentences.\n\n"
 STRATEGIES = ("ar", "knn", "knapspec")
 
@@ -43,6 +45,9 @@ DEFINITIONS = {
     "tau": BENCH_DEFINITIONS["tau"], "alpha": BENCH_DEFINITIONS["alpha"],
     "skip_sets": "knapspec: the set it chose each time it re-optimised (attention + MLP sublayers "
                  "skipped, at the context length it chose for); knn: the routed domain's set",
+    "fixed_saving_sweep": "KnapSpec's knapsack asked for the least-loss set that saves a fixed share of "
+                          "a full step's time (same fixed similarity profile): how many attention vs MLP "
+                          "sublayers make up that saving as attention gets dearer",
     "knapspec_sweep": "choose_skip(latency, similarity, context) with the similarity profile of the "
                       "shortest prompt held fixed: the choice as only the cost of attention changes "
                       "(the latency model is linear in context, fitted on its profiled contexts and "
@@ -92,6 +97,35 @@ def knapspec_sweep(calibration, attn_sim, mlp_sim, contexts, gamma: int) -> list
     return out
 
 
+def fixed_saving_sweep(calibration, attn_sim, mlp_sim, contexts, savings=SAVINGS, bins: int = 240,
+                       protect=None) -> list[dict]:
+    """Per context and saving share: the least-loss skip set (KnapSpec's items, weights and losses)."""
+    lat = calibration.latency
+    L = lat.n_layers
+    protect = {0, L - 1} if protect is None else set(protect)
+    out = []
+    for c in contexts:
+        unit = lat.step_time(EMPTY, c) / bins
+        items = [("attn", i) for i in range(L) if i not in protect] + \
+                [("mlp", i) for i in range(L) if i not in protect]
+        weights = [max(1, round((lat.attn_time(c) if k == "attn" else lat.mlp) / unit)) for k, _ in items]
+        losses = [max(0.0, 1.0 - float((attn_sim if k == "attn" else mlp_sim)[i])) for k, i in items]
+        row = {"context_len": c}
+        for share in savings:
+            target = int(round(bins * share))
+            best, choose = knapsack_min_loss(weights, losses, min(sum(weights), target + 3))
+            feasible = [w for w in range(target, len(best)) if best[w] < float("inf")]
+            if not feasible:
+                row[f"{share:.2f}"] = None
+                continue
+            w = min(feasible, key=lambda x: best[x])
+            chosen = [items[j] for j in choose(w)]
+            row[f"{share:.2f}"] = {"attn": sum(k == "attn" for k, _ in chosen),
+                                   "mlp": sum(k == "mlp" for k, _ in chosen), "loss": _round(best[w])}
+        out.append(row)
+    return out
+
+
 def findings(result: dict, calibration) -> list[str]:
     """Plain sentences: where KnapSpec's choice changes (sweep and measured runs)."""
     lat = calibration.latency
@@ -116,6 +150,22 @@ def findings(result: dict, calibration) -> list[str]:
                        f"KnapSpec goes from {a['attn']} attention + {a['mlp']} MLP to {b['attn']} attention + "
                        f"{b['mlp']} MLP sublayers skipped (attention {a['attn_ms']:.3f} → {b['attn_ms']:.3f} "
                        f"ms per sublayer; predicted {a['predicted_speedup']:.2f}× → {b['predicted_speedup']:.2f}×).")
+    fixed = result.get("fixed_saving_sweep") or []
+    for share in SAVINGS:
+        key = f"{share:.2f}"
+        rows = [r for r in fixed if r.get(key)]
+        if not rows:
+            continue
+        mixes = [(r["context_len"], r[key]["attn"], r[key]["mlp"]) for r in rows]
+        moves = [(a, b) for a, b in zip(mixes, mixes[1:]) if a[1:] != b[1:]]
+        text = ", ".join(f"{c}: {a}+{m}" for c, a, m in mixes)
+        if moves:
+            first = moves[0]
+            out.append(f"Saving {100 * share:.0f}% of a step at least loss (context: attention+MLP skipped) — "
+                       f"{text}. The mix first changes between {first[0][0]} and {first[1][0]} tokens.")
+        else:
+            out.append(f"Saving {100 * share:.0f}% of a step at least loss: {mixes[0][1]} attention + "
+                       f"{mixes[0][2]} MLP sublayers at every context ({mixes[0][0]}–{mixes[-1][0]}).")
     measured = []
     for p in result["points"]:
         sets = p["strategies"].get("knapspec", {}).get("skip_sets") or []
@@ -199,6 +249,7 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
         "model": backbone.name, "lossless": not failures, "lossless_failures": failures,
         "points": points,
         "knapspec_sweep": knapspec_sweep(calibration, attn_sim, mlp_sim, sweep, gamma),
+        "fixed_saving_sweep": fixed_saving_sweep(calibration, attn_sim, mlp_sim, sweep),
         "latency_model": {"attn_a_ms": _round(1000 * calibration.latency.attn_a, 5),
                           "attn_b_us_per_token": _round(1e6 * calibration.latency.attn_b, 5),
                           "mlp_ms": _round(1000 * calibration.latency.mlp, 5),

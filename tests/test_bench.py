@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from ssd_core import bench
-from ssd_core.bench import Question, aggregate, combine_predictions, mix_order, speedup
+from ssd_core.bench import Question, aggregate, combine_predictions, median_speedup, mix_order, speedup
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 PROMPTS = {
@@ -58,7 +58,7 @@ def test_cli_writes_spec_bench_answers_and_a_complete_summary(tiny, tiny_calibra
         assert flag in summary["settings"], flag
     assert list(summary["strategies"]) == names
     for name, s in summary["strategies"].items():
-        for key in ("tokens_per_s", "speedup", "tau", "alpha", "predicted_speedup_measured_alpha",
+        for key in ("tokens_per_s", "speedup", "speedup_median", "tau", "alpha", "predicted_speedup_measured_alpha",
                     "predicted_speedup_calibration_alpha", "per_category", "speedup_vs_hf_generate"):
             assert key in s, (name, key)
         assert set(s["per_category"]) == set(CATEGORIES)
@@ -155,6 +155,13 @@ def test_speedup_is_a_ratio_of_sums_over_the_same_prompts():
     assert speedup(spec, ar) == pytest.approx((20 / 5.5) / (20 / 5.0))   # 0.909…, below 1 and reported
     # not the mean of per-prompt ratios (2.0 and 0.8 → 1.4)
     assert speedup(spec, ar) != pytest.approx((2.0 + 0.8) / 2)
+    # the robust companion: the median of the per-prompt ratios 2.0 and 0.8
+    assert median_speedup(spec, ar) == pytest.approx(1.4)
+    # one prompt hit by a burst of load (ar took 10× longer) moves the ratio of sums, not the median
+    ar3 = [_rec(10, 1.0, []), _rec(10, 1.0, []), _rec(10, 10.0, [])]
+    same = [_rec(10, 1.0, []), _rec(10, 1.0, []), _rec(10, 1.0, [])]
+    assert speedup(same, ar3) == pytest.approx(12 / 3)
+    assert median_speedup(same, ar3) == pytest.approx(1.0)
 
 
 def test_predicted_speedups_combine_like_tokens_per_s():
@@ -245,6 +252,9 @@ def test_scaling_runs_and_records_knapspec_choices(tiny, tiny_calibration, tmp_p
         ks = p["strategies"]["knapspec"]["skip_sets"]
         assert ks and {"attn", "mlp", "context_len"} <= set(ks[0])
     assert [s["context_len"] for s in res["knapspec_sweep"]] == [64, 256, 900]
+    for row in res["fixed_saving_sweep"]:
+        for share in ("0.15", "0.30"):
+            assert row[share] is None or row[share]["attn"] + row[share]["mlp"] >= 1
     assert res["findings"]
     written = scaling.write_outputs(res, tmp_path / "scaling")
     assert (tmp_path / "scaling" / "scaling.json").exists() and (tmp_path / "scaling" / "scaling.html").exists()

@@ -46,11 +46,12 @@ def _categories(summary: dict) -> list[str]:
 def overall_table(summary: dict) -> str:
     """One row per strategy: the whole run."""
     hf = summary.get("hf_generate_tokens_per_s")
-    head = ("| strategy | tokens/s | speedup vs ar | speedup vs model.generate | τ | α "
-            "| predicted (measured α) | predicted (calibration α) |")
-    rows = [head, "|" + "---|" * 8]
+    head = ("| strategy | tokens/s | speedup vs ar | median per-prompt speedup | speedup vs model.generate "
+            "| τ | α | predicted (measured α) | predicted (calibration α) |")
+    rows = [head, "|" + "---|" * 9]
     for name, s in summary["strategies"].items():
         rows.append(f"| {name} | {_num(s['tokens_per_s'], 1)} | {_num(s['speedup'], 3)} "
+                    f"| {_num(s.get('speedup_median'), 3)} "
                     f"| {_num(s.get('speedup_vs_hf_generate'), 3) if hf else '–'} "
                     f"| {_num(s['tau'])} | {_num(s['alpha'])} "
                     f"| {_num(s.get('predicted_speedup_measured_alpha'), 3)} "
@@ -60,8 +61,8 @@ def overall_table(summary: dict) -> str:
 
 def category_table(summary: dict) -> str:
     """One row per (category, strategy): τ, α, tokens/s and speedup."""
-    rows = ["| category | strategy | τ | α | tokens/s | speedup vs ar | predicted (measured α) |",
-            "|" + "---|" * 7]
+    rows = ["| category | strategy | τ | α | tokens/s | speedup vs ar | median per-prompt speedup "
+            "| predicted (measured α) |", "|" + "---|" * 8]
     for cat in _categories(summary):
         for name, s in summary["strategies"].items():
             c = s.get("per_category", {}).get(cat)
@@ -69,6 +70,7 @@ def category_table(summary: dict) -> str:
                 continue
             rows.append(f"| {cat} | {name} | {_num(c['tau'])} | {_num(c['alpha'])} "
                         f"| {_num(c['tokens_per_s'], 1)} | {_num(c['speedup'], 3)} "
+                        f"| {_num(c.get('speedup_median'), 3)} "
                         f"| {_num(c.get('predicted_speedup_measured_alpha'), 3)} |")
     return "\n".join(rows)
 
@@ -203,12 +205,30 @@ def knapspec_sweep_table(scaling: dict) -> str:
     return "\n".join(rows)
 
 
+def fixed_saving_table(scaling: dict) -> str:
+    """The least-loss attention + MLP mix for a fixed time saving, per context."""
+    rows_in = scaling.get("fixed_saving_sweep") or []
+    shares = [k for k in (rows_in[0] if rows_in else {}) if k != "context_len"]
+    if not shares:
+        return ""
+    rows = ["| context | " + " | ".join(f"save {float(k) * 100:.0f}%: attn + MLP" for k in shares) + " |",
+            "|" + "---|" * (len(shares) + 1)]
+    for r in rows_in:
+        cells = [f"{r[k]['attn']} + {r[k]['mlp']}" if r.get(k) else "–" for k in shares]
+        rows.append(f"| {r['context_len']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def scaling_report(scaling: dict) -> str:
     lines = [f"# Scaling with context length: {scaling.get('model', '?')}", "",
              f"{scaling.get('settings', {}).get('new_tokens')} new tokens per run, "
              f"γ = {scaling.get('settings', {}).get('gamma')}, lossless: **{scaling.get('lossless')}**.", "",
              scaling_table(scaling), "", "## KnapSpec's choice as attention gets dearer", "",
              knapspec_sweep_table(scaling), ""]
+    fixed = fixed_saving_table(scaling)
+    if fixed:
+        lines += ["Least-loss mix for a fixed time saving (KnapSpec's knapsack, same similarity profile):", "",
+                  fixed, ""]
     lines += [f"- {f}" for f in scaling.get("findings", [])]
     defs = scaling.get("definitions")
     if defs:
