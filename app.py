@@ -106,42 +106,44 @@ def _load_map(cal) -> tuple[object | None, str]:
 
 
 def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
-                warm: bool = True, backbone=None) -> Studio:
-    """Load model, calibration and UMAP (the UMAP import runs in a thread while the model loads)."""
+                warm: bool = True, backbone=None, map_in_background: bool = False) -> Studio:
+    """Load model and calibration; the UMAP domain map is not needed for the first token.
+
+    map_in_background: return before the map is ready (umap's first import compiles with numba for
+    ~15 s on two cores); a thread installs it when done and the map panel says "loading" until then.
+    """
     t0 = time.perf_counter()
     folder = Path(calibration) if calibration else cal_io.default_folder(spec)
-    early: dict = {}
-
-    def prepare_map():             # umap's first import is the slow part; start it now
-        t = time.perf_counter()
-        try:
-            early["map"] = _load_map(cal_io.load(folder))
-        except Exception as exc:
-            early["error"] = exc
-        early["seconds"] = time.perf_counter() - t
-
-    helper = threading.Thread(target=prepare_map, daemon=True)
-    helper.start()
+    from ssd_core import backbone as core_bb
+    cold = backbone is None and not core_bb.model_cache_ready(spec)
     bb = backbone or load_backbone(spec, threads=threads)
     t_model = time.perf_counter() - t0
     prompts = load_prompts()
     examples = {d: split(p)[1] or p for d, p in prompts.items()}
     studio = Studio(bb, spec, folder, examples, read_bench(BENCH_DIR))
-    if warm:                       # torch and plotly warm up while umap is still importing
-        warm_up(studio)
-    t_waited = time.perf_counter()
-    helper.join()
-    t_waited = time.perf_counter() - t_waited
     try:
         cal = cal_io.load(folder, bb)
-        dm, err = early.get("map") or _load_map(cal)
-        studio.install(cal, dm, err)
+        studio.install(cal, None, "domain map loading …")
     except cal_io.CalibrationError as exc:
+        cal = None
         studio.cal_error = public_message(str(exc))
-    if warm and studio.calibration is not None:
+    if warm:                       # one short decode, so a visitor's first click pays no first-call costs
         warm_up(studio)
-    studio.timings = {"model_s": round(t_model, 1), "umap_s": round(early.get("seconds", 0.0), 1),
-                      "waited_for_umap_s": round(t_waited, 1), "total_s": round(time.perf_counter() - t0, 1)}
+    studio.timings = {"cold": cold, "model_s": round(t_model, 1),
+                      "ready_s": round(time.perf_counter() - t0, 1), "map_s": None}
+
+    def prepare_map():
+        t = time.perf_counter()
+        dm, err = _load_map(cal)
+        if studio.calibration is cal:      # not replaced by a calibration run meanwhile
+            studio.install(cal, dm, err)
+        studio.timings["map_s"] = round(time.perf_counter() - t, 1)
+
+    if cal is not None:
+        if map_in_background:
+            threading.Thread(target=prepare_map, name="domain-map", daemon=True).start()
+        else:
+            prepare_map()
     return studio
 
 
@@ -363,7 +365,7 @@ def _layer_fig(studio: Studio, run: Run | None):
 def _map_fig(studio: Studio, run: Run | None):
     if studio.domain_map is None:
         return vmap.domain_map([], height=PLOT_H, title="Domain map · " + (
-            "needs a calibration" if studio.calibration is None else "unavailable (see the log)"))
+            "needs a calibration" if studio.calibration is None else (studio.map_error or "unavailable")))
     if run is None or run.start is None:
         return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=PLOT_H)
     xy = studio.domain_map.transform(run.start.embedding)
@@ -944,13 +946,14 @@ def main(argv=None):
         raise SystemExit(f"--model {args.model!r} is not on this Space's allow-list: {ALLOWED_MODELS[2:]}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
-    studio = load_studio(args.model, args.calibration, threads=args.threads)
+    studio = load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True)
     demo = build(studio)
     t = studio.timings
     where = f"loaded from {studio.cal_folder}" if studio.calibration else studio.cal_error
-    print(f"start-up: {time.perf_counter() - T_LAUNCH:.1f} s (imports {imports_s:.1f} s, model {t['model_s']} s; "
-          f"UMAP import + warm {t['umap_s']} s in parallel, {t['waited_for_umap_s']} s of it waited for); "
-          f"calibration: {where}", flush=True)
+    print(f"start-up ({'cold: first run converts the GGUF' if t['cold'] else 'warm: model from cache'}): "
+          f"{time.perf_counter() - T_LAUNCH:.1f} s (imports {imports_s:.1f} s, model {t['model_s']} s, "
+          f"calibration + warm-up {t['ready_s'] - t['model_s']:.1f} s; the UMAP domain map loads in the "
+          f"background); calibration: {where}", flush=True)
     demo.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE).launch(css=_css(), head=TOOLTIP_JS, theme=THEME,
                                                                       max_file_size="1mb")
 
