@@ -10,8 +10,9 @@ first turn is the prompt). Output, in --out: `<strategy>.jsonl` in Spec-Bench's 
 Fairness: every strategy runs in this one process, interleaved per prompt (`ar`, then
 `model.generate`, then each other strategy on the same prompt ids), after a warm-up, so machine
 drift hits all of them alike. Speedups are ratios against this run's `ar`, reported as measured.
-Lossless check: every strategy's greedy tokens and text must equal `ar`'s; if not, the run says
-which prompt and strategy, and exits with status 1.
+Lossless check: every strategy's greedy tokens and text must equal `ar`'s, and `ar`'s tokens must
+equal transformers' greedy `model.generate` wherever it ran (an independent reference for the core's
+own forward); if not, the run says which prompt and strategy, and exits with status 1.
 """
 from __future__ import annotations
 
@@ -66,7 +67,12 @@ DEFINITIONS = {
                                            "exp(−κ·loss) estimate) instead of the measured α",
     "ar_bandwidth_gb_s": "bytes of weights one full decode step reads (backbone.weight_bytes(), "
                          "lm_head included, KV cache not) × ar tokens_per_s ÷ 1e9",
-    "lossless": "every strategy's greedy token ids and text identical to ar's on every prompt",
+    "lossless": "every strategy's greedy token ids and text identical to ar's on every prompt, and ar's "
+                "token ids identical to transformers' greedy model.generate on every prompt where it ran "
+                "(both cut after the first end-of-sequence token)",
+    "lossless_vs_ar": "every strategy's greedy token ids and text identical to ar's on every prompt",
+    "lossless_vs_hf": "ar's token ids identical to greedy model.generate's on every prompt where it ran "
+                      "(null when it never ran): an independent check of the core's forward",
     "routing": "per category, how many prompts the KNN router sent to each domain ('unknown' = "
                "below the router's similarity threshold → static set)",
     "mix_ratio": "order of the stream: 0 = contiguous category blocks (file order); 1 = the category "
@@ -233,17 +239,42 @@ def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: i
     }
 
 
+def hf_greedy_kwargs(backbone: Backbone, max_new_tokens: int) -> dict:
+    """`model.generate` arguments for plain greedy decoding that stops exactly where the core does.
+
+    The core stops after the first token in `backbone.eos_ids` (that token included) or after
+    max_new_tokens; generate gets the same stop set. A model's own generation_config may carry
+    logits processors (repetition penalty, n-gram bans, a minimum length) that plain greedy
+    decoding does not have: they are switched off here so the two are comparable.
+    """
+    eos = sorted(backbone.eos_ids)
+    pad = getattr(backbone.tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return {"max_new_tokens": max_new_tokens, "do_sample": False, "num_beams": 1,
+            "eos_token_id": eos or None, "pad_token_id": pad, "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0, "min_new_tokens": 0}
+
+
+def cut_at_eos(ids, eos_ids) -> tuple:
+    """Tokens up to and including the first end-of-sequence token (what the core commits)."""
+    ids = tuple(int(t) for t in ids)
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[:i + 1]
+    return ids
+
+
 def _hf_generate(backbone: Backbone, prompt_ids, max_new_tokens: int) -> dict:
-    """Greedy `model.generate` on the same prompt ids, timed."""
+    """Greedy `model.generate` on the same prompt ids, timed (its new tokens, cut at EOS)."""
     ids = torch.tensor([prompt_ids.ids])
-    eos = next(iter(sorted(backbone.eos_ids)), None)
     with torch.inference_mode():
         t = time.perf_counter()
         out = backbone.hf_model.generate(ids, attention_mask=torch.ones_like(ids),
-                                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+                                         **hf_greedy_kwargs(backbone, max_new_tokens))
         wall = time.perf_counter() - t
-    new = out[0, ids.shape[1]:].tolist()
-    return {"new_tokens": len(new), "wall_s": wall, "token_ids": tuple(new), "accept_lengths": []}
+    new = cut_at_eos(out[0, ids.shape[1]:].tolist(), backbone.eos_ids)
+    return {"new_tokens": len(new), "wall_s": wall, "token_ids": new, "accept_lengths": []}
 
 
 def _first_difference(a, b) -> int:
@@ -346,13 +377,22 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
                     bar.set_postfix_str(f"q{q.question_id} {q.category} model.generate")
                     h = _hf_generate(backbone, ids, max_new_tokens)
                     hf_records.append(h)
-                    hf_agree += h["token_ids"] == tuple(rec["token_ids"])
+                    if h["token_ids"] == tuple(rec["token_ids"]):
+                        hf_agree += 1
+                    else:                              # the core's own reference is off
+                        at = _first_difference(rec["token_ids"], h["token_ids"])
+                        failures.append({"question_id": q.question_id, "category": q.category,
+                                         "strategy": "ar", "reference": "hf_generate",
+                                         "first_difference_at_token": at,
+                                         "reference_text": backbone.decode(h["token_ids"]),
+                                         "text": rec["text"]})
                     bar.update()
             elif rec["token_ids"] != ar_rec["token_ids"] or rec["text"] != ar_rec["text"]:
                 at = _first_difference(rec["token_ids"], ar_rec["token_ids"])
                 failures.append({"question_id": q.question_id, "category": q.category,
-                                 "strategy": name, "first_difference_at_token": at,
-                                 "ar_text": ar_rec["text"], "text": rec["text"]})
+                                 "strategy": name, "reference": "ar", "first_difference_at_token": at,
+                                 "reference_text": ar_rec["text"], "ar_text": ar_rec["text"],
+                                 "text": rec["text"]})
     bar.close()
 
     summary = _summarise(backbone, calibration, names, order, records, hf_records, hf_strategy_records,
@@ -424,6 +464,9 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
         "calibration": str(calibration.folder) if calibration.folder else None,
         "calibration_created": calibration.meta.get("created"),
         "lossless": not failures,
+        "lossless_vs_ar": not any(f["reference"] == "ar" for f in failures),
+        "lossless_vs_hf": (not any(f["reference"] == "hf_generate" for f in failures)
+                           if hf_records else None),
         "lossless_failures": failures,
         "strategies": strategies,
         "categories": cats,
@@ -541,8 +584,9 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     print(f"\nwrote {args.out}/summary.json and {len(run.answers)} answer files")
     if not run.lossless:
         for f in run.summary["lossless_failures"]:
+            ref = "transformers' model.generate" if f["reference"] == "hf_generate" else "ar"
             print(f"LOSSLESS FAILURE: strategy {f['strategy']} on question {f['question_id']} "
-                  f"({f['category']}) differs from ar at token {f['first_difference_at_token']}",
+                  f"({f['category']}) differs from {ref} at token {f['first_difference_at_token']}",
                   file=sys.stderr)
         return 1
     return 0

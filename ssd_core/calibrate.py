@@ -2,8 +2,9 @@
 
     python -m ssd_core.calibrate --model SPEC --out assets/calibration/<slug>
 
-Steps (each with a progress bar): latency profile → teacher-forcing data →
-per-domain + static skip-set search → held-out matchness matrix → prompt
+Steps (each with a progress bar): small draft head → latency profile (fp32 and each draft kind) →
+teacher-forcing data →
+per-domain + static skip-set search → held-out matchness matrix (and per draft kind) → prompt
 embeddings (two poolings compared) → KNN router + threshold → KnapSpec κ → UMAP.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tqdm.auto import tqdm
 from . import calibration as cal_io
 from .backbone import Backbone, load_backbone
 from .domains import DOMAIN_DIR, DOMAINS, domains_hash, load_prompts, split
+from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .knapspec import fit_kappa, prompt_similarity
 from .latency import fit_report, profile
 from .router import Router, suggest_threshold
@@ -57,13 +59,27 @@ def _kappa_points(bb, results, prompts_by_domain, max_prompt_tokens) -> list[tup
     return points
 
 
-def predicted_speedups(latency, domain_sets, static, matrix, gamma) -> dict[str, float]:
-    """Each set's predicted speedup at its held-out acceptance (static: mean over domains)."""
+def predicted_speedups(latency, domain_sets, static, matrix, gamma, drafts=None) -> dict:
+    """Each set's predicted speedup at its held-out acceptance (static: mean over domains).
+
+    With draft numbers (draft_calibration.py): also per draft kind, at the best γ ≤ gamma, as
+    {kind: {set: speedup}} under "by_draft".
+    """
     out = {}
     for name, skip in [*domain_sets.items(), ("static", static)]:
         row = matrix[name]
         acc = float(np.mean(list(row.values()))) if name == "static" else row.get(name, 0.0)
         out[name] = round(latency.expected_speedup(skip, acc, gamma), 4)
+    by_draft = {}
+    for kind, accs in ((drafts or {}).get("acceptance") or {}).items():
+        sets = {**domain_sets, "static": static, "full": type(static).empty()}
+        by_draft[kind] = {}
+        for name, skip in sets.items():
+            acc = accs.get(name, 0.0)
+            g = latency.best_gamma(skip, acc, gamma, kind=kind)
+            by_draft[kind][name] = round(latency.expected_speedup(skip, acc, g, kind=kind), 4)
+    if by_draft:
+        out["by_draft"] = by_draft
     return out
 
 
@@ -72,13 +88,20 @@ def reprofile(folder: Path, model: str | None = None, progress: bool = True) -> 
     bb = load_backbone(model, threads=torch.get_num_threads())
     cal = cal_io.load(folder, bb)
     t = time.perf_counter()
+    prompts = load_prompts()
+    head = head_for_domains(bb, prompts, progress=progress)
+    data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"])
+    cal.drafts = {"head": head, "acceptance": draft_acceptance(
+        bb, {**cal.domain_sets, "static": cal.static}, data, progress=progress)}
+    cal.meta["timings"]["drafts_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
     cal.latency = profile(bb, progress=progress)
     gamma = cal.meta["settings"]["gamma"]
     cal.meta["timings"]["latency_s"] = round(time.perf_counter() - t, 1)
     cal.meta["latency_fit"] = fit_report(cal.latency)
     cal.meta["machine"]["threads"] = torch.get_num_threads()
     cal.meta["predicted_speedup"] = predicted_speedups(cal.latency, cal.domain_sets, cal.static,
-                                                       cal.matchness, gamma)
+                                                       cal.matchness, gamma, cal.drafts)
     cal.meta.pop("files", None)
     cal_io.save(cal, folder)
     return cal_io.load(folder, bb)
@@ -103,6 +126,10 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     prompts = load_prompts(domain_dir)
     splits = {d: split(ps) for d, ps in prompts.items()}
 
+    t = time.perf_counter()                # the small draft head first: the profile times the draft with it
+    head = head_for_domains(bb, prompts, max_prompt_tokens=max_prompt_tokens, progress=progress)
+    timings["draft_head_s"] = time.perf_counter() - t
+
     t = time.perf_counter()
     latency = profile(bb, progress=progress, **(profile_kw or {}))
     timings["latency_s"] = time.perf_counter() - t
@@ -126,6 +153,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     for name, skip in tqdm([*domain_sets.items(), ("static", static.skip)], desc="held-out matchness",
                            disable=not progress):
         matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(bb, skip, held_data).items()}
+    drafts = {"head": head, "acceptance": draft_acceptance(bb, {**domain_sets, "static": static.skip},
+                                                           held_data, progress=progress)}
     timings["matchness_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -178,14 +207,13 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                    for name, r in [*results.items(), ("static", static)]},
         "skip_weight_ratio": {name: round(bb.skip_weight_ratio(s), 4)
                               for name, s in [*domain_sets.items(), ("static", static.skip)]},
-        "predicted_speedup": predicted_speedups(latency, domain_sets, static.skip, matrix, gamma),
+        "predicted_speedup": predicted_speedups(latency, domain_sets, static.skip, matrix, gamma, drafts),
     }
     cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static.skip,
                              router=router, matchness=matrix, routing=routing,
-                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out))
-    cal_io.save(cal, out, domain_map)
-    with open(Path(out) / "search_history.json", "w") as f:
-        json.dump({name: r.to_dict() for name, r in [*results.items(), ("static", static)]}, f)
+                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts)
+    history = {name: r.to_dict() for name, r in [*results.items(), ("static", static)]}
+    cal_io.save(cal, out, domain_map, extra_json={"search_history.json": history})
     return cal_io.load(out, bb, domain_dir)
 
 
@@ -204,7 +232,8 @@ def main(argv=None):
                     help="least share of sublayers every searched set skips (0: unconstrained)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reprofile", action="store_true",
-                    help="only re-measure the latency model of an existing calibration")
+                    help="only re-measure the latency model and the draft calibration (small head, "
+                         "acceptance per draft kind) of an existing calibration")
     ap.add_argument("--no-umap", action="store_true", help="skip the UMAP fit (no domain map in the app)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

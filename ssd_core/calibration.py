@@ -7,19 +7,27 @@ assets/calibration/<slug>/
     router.npz         anchor vectors (centroids + calibration prompts)
     domain_map.npz     UMAP coordinates of the anchors
     umap.joblib        the fitted UMAP (unpickled only after its sha256 matches calibration.json)
+    search_history.json  every search trial (informational; written by calibrate)
+
+Every file is written atomically: to a hidden temporary in the same folder, flushed and fsynced,
+then `os.replace`d into place (see `staged_writes`). A calibration interrupted while it writes leaves
+the previous artefacts as they were and no half-written file under an artefact's name.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from .domain_map import _sha256 as sha256_file  # one checksum function for every artefact
 from .domains import DOMAIN_DIR, domains_hash
-from .latency import Auto, LatencyModel
+from .latency import AdaptiveLength, Auto, LatencyModel
 from .skipset import SkipSet
 
 FORMAT_VERSION = 1
@@ -43,10 +51,18 @@ class Calibration:
     knapspec: dict = field(default_factory=dict)
     folder: Path | None = None
     domain_map: object | None = None       # ssd_core.domain_map.DomainMap (loaded lazily)
+    # the cheap drafts (draft_calibration.py): {"head": {ids, size, coverage…}, "acceptance": {kind: {set: α}}}
+    drafts: dict = field(default_factory=dict)
 
     # --- what strategies need ---------------------------------------------------------------------
-    def acceptance(self) -> dict[str, float]:
-        """Each set's held-out matchness on its own domain (static: mean over domains)."""
+    def acceptance(self, kind: str = "fp32") -> dict[str, float]:
+        """Each set's held-out matchness on its own domain (static: mean over domains).
+
+        kind: the draft weights (draft.py); measured per kind when the calibration has draft numbers.
+        """
+        measured = self.drafts.get("acceptance", {}).get(kind)
+        if measured:
+            return dict(measured)
         out = {d: self.matchness.get(d, {}).get(d, 0.5) for d in self.domain_sets}
         m = self.matchness.get("static", {})
         out["static"] = float(np.mean(list(m.values()))) if m else 0.5
@@ -54,8 +70,19 @@ class Calibration:
 
     def strategy(self, name: str, *, gamma: int = 4, k: int | None = None, vote: str | None = None,
                  threshold: float | None = None, domain: str | None = None, category: str | None = None,
-                 inner: str = "knn", every: int = 32):
-        """A fresh Strategy object (one per request: strategies hold per-request state)."""
+                 inner: str = "knn", every: int = 32, draft: str = "int8", adaptive: bool = True):
+        """A fresh Strategy object (one per request: strategies hold per-request state).
+
+        draft: the draft weights the decode will use (DecodeConfig.draft), so that costs and
+        acceptance come from that kind; adaptive: the latency model picks γ ≤ gamma every step.
+        """
+        strategy = self._strategy(name, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain,
+                                  category=category, inner=inner, every=every, draft=draft)
+        if adaptive and name not in ("ar", "auto"):
+            strategy.length = AdaptiveLength(self.latency, draft)
+        return strategy
+
+    def _strategy(self, name, *, gamma, k, vote, threshold, domain, category, inner, every, draft):
         from .knapspec import KnapSpec
         from .router import KnnStrategy
         from .strategies import Autoregressive, Oracle, Static
@@ -70,10 +97,15 @@ class Calibration:
             oracle = Oracle(self.domain_sets, self.static, domain)
             return oracle.for_category(category) if category is not None else oracle
         if name == "knapspec":
-            return KnapSpec(self.latency, gamma, kappa=self.knapspec.get("kappa", 8.0), every=every)
+            full = self.acceptance(draft).get("full", 1.0)
+            return KnapSpec(self.latency, gamma, kappa=self.knapspec.get("kappa", 8.0), every=every,
+                            kind=draft, agreement=full)
         if name == "auto":
-            base = self.strategy(inner, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain)
-            return Auto(base, self.latency, self.acceptance(), gamma)
+            if inner == "auto":
+                raise ValueError("auto cannot wrap itself")
+            base = self._strategy(inner, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain,
+                                  category=category, inner=inner, every=every, draft=draft)
+            return Auto(base, self.latency, self.acceptance(draft), gamma, kind=draft)
         raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
     def load_domain_map(self):
@@ -84,30 +116,176 @@ class Calibration:
         return self.domain_map
 
 
-# --- save / load ---------------------------------------------------------------------------------
-def save(cal: Calibration, folder: Path | str, domain_map=None) -> Path:
+# --- atomic writes -----------------------------------------------------------------------------
+TMP_MARK = ".tmp-"            # temporaries are named ".<name>.tmp-<pid>-<hex>": hidden, never an artefact
+
+
+class StagedWrites:
+    """Files written to temporaries in one folder, put in place together by `commit`.
+
+    `open(name)` gives a file object on a fresh temporary (np.savez, joblib.dump and json.dump all
+    take file objects, so no writer appends its own suffix to the name); `path(name)` is where that
+    temporary lies (e.g. to checksum it before it is committed). `commit` fsyncs and `os.replace`s
+    them in the order they were opened; `discard` removes them.
+    """
+
+    def __init__(self, folder: Path | str):
+        self.folder = Path(folder)
+        self._tmp: dict[str, Path] = {}
+
+    def path(self, name: str) -> Path:
+        return self._tmp[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tmp
+
+    @contextmanager
+    def open(self, name: str, mode: str = "wb", encoding: str | None = None):
+        if name in self._tmp:
+            raise ValueError(f"{name} is already staged")
+        if "w" not in mode:
+            raise ValueError(f"staged files are written, not opened with mode {mode!r}")
+        tmp = self.folder / f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._tmp[name] = tmp
+        with open(tmp, mode.replace("w", "x"), encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self) -> None:
+        for name, tmp in list(self._tmp.items()):
+            os.replace(tmp, self.folder / name)
+            del self._tmp[name]
+        _fsync_dir(self.folder)
+
+    def discard(self) -> None:
+        for tmp in self._tmp.values():
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+        self._tmp.clear()
+
+
+@contextmanager
+def staged_writes(folder: Path | str) -> Iterator[StagedWrites]:
+    """Stage several files; on a clean exit replace them all (in order), on any error remove them.
+
+        with staged_writes(folder) as stage:
+            with stage.open("router.npz") as f:
+                np.savez(f, **arrays)
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    arrays, router_meta = cal.router.to_arrays()
-    np.savez(folder / "router.npz", **arrays)
-    if domain_map is not None:
-        domain_map.save(folder)
-    files = {name: sha256_file(folder / name) for name in ("router.npz", "domain_map.npz", "umap.joblib")
-             if (folder / name).exists()}
-    doc = {
-        "format_version": FORMAT_VERSION,
-        "meta": {**cal.meta, "files": files},
-        "latency": cal.latency.to_dict(),
-        "domain_sets": {d: s.to_dict() for d, s in cal.domain_sets.items()},
-        "static": cal.static.to_dict(),
-        "matchness": cal.matchness,
-        "routing": cal.routing,
-        "knapspec": cal.knapspec,
-        "router": router_meta,
-    }
-    tmp = folder / "calibration.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False), encoding="utf-8")
-    tmp.replace(folder / "calibration.json")
+    remove_stale_temporaries(folder)
+    stage = StagedWrites(folder)
+    try:
+        yield stage
+    except BaseException:            # KeyboardInterrupt too: never leave a temporary behind
+        stage.discard()
+        raise
+    try:
+        stage.commit()
+    except BaseException:
+        stage.discard()
+        raise
+
+
+@contextmanager
+def atomic_write(path: Path | str, mode: str = "wb", encoding: str | None = None):
+    """Write one file atomically: `with atomic_write(p, "w", encoding="utf-8") as f: f.write(...)`."""
+    path = Path(path)
+    with staged_writes(path.parent) as stage:
+        with stage.open(path.name, mode, encoding) as f:
+            yield f
+
+
+def remove_stale_temporaries(folder: Path | str) -> list[Path]:
+    """Delete temporaries left by writers that were killed (their process is gone); return them.
+
+    A temporary of a live process (e.g. another calibration writing here now) is left alone.
+    """
+    removed = []
+    for tmp in Path(folder).glob(f".*{TMP_MARK}*"):
+        pid = tmp.name.rsplit(TMP_MARK, 1)[-1].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name == "nt":   # Windows' os.kill(pid, 0) would end the process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True                      # exists but not ours, or we cannot tell: keep its file
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames durable where the OS allows it (best effort; not on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- save / load ---------------------------------------------------------------------------------
+CHECKSUMMED = ("router.npz", "domain_map.npz", "umap.joblib")
+
+
+def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict | None = None) -> Path:
+    """Write the artefacts atomically, calibration.json last.
+
+    Every file is staged first; only when all of them are written are they moved into place
+    (data files, then calibration.json with their checksums). An error or interrupt while
+    staging leaves the folder as it was. extra_json: {file name: JSON-able object} written
+    alongside (e.g. search_history.json), not checksummed.
+    """
+    folder = Path(folder)
+    with staged_writes(folder) as stage:
+        arrays, router_meta = cal.router.to_arrays()
+        with stage.open("router.npz") as f:
+            np.savez(f, **arrays)
+        if domain_map is not None:
+            domain_map.save(folder, stage=stage)
+        for name, obj in (extra_json or {}).items():
+            with stage.open(name, "w", encoding="utf-8") as f:
+                json.dump(obj, f)
+        files = {}
+        for name in CHECKSUMMED:
+            if name in stage:
+                files[name] = sha256_file(stage.path(name))
+            elif (folder / name).exists():
+                files[name] = sha256_file(folder / name)
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "meta": {**cal.meta, "files": files},
+            "latency": cal.latency.to_dict(),
+            "domain_sets": {d: s.to_dict() for d, s in cal.domain_sets.items()},
+            "static": cal.static.to_dict(),
+            "matchness": cal.matchness,
+            "routing": cal.routing,
+            "knapspec": cal.knapspec,
+            "router": router_meta,
+            "drafts": cal.drafts,
+        }
+        with stage.open("calibration.json", "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, ensure_ascii=False)
     return folder
 
 
@@ -136,11 +314,15 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
     try:
         with np.load(folder / "router.npz", allow_pickle=False) as z:
             router = Router.from_arrays({k: z[k] for k in z.files}, doc["router"])
-        return Calibration(
+        cal = Calibration(
             meta=meta, latency=LatencyModel.from_dict(doc["latency"]),
             domain_sets={d: SkipSet.from_dict(s) for d, s in doc["domain_sets"].items()},
             static=SkipSet.from_dict(doc["static"]), router=router, matchness=doc["matchness"],
-            routing=doc.get("routing", {}), knapspec=doc.get("knapspec", {}), folder=folder)
+            routing=doc.get("routing", {}), knapspec=doc.get("knapspec", {}), folder=folder,
+            drafts=doc.get("drafts", {}))
+        if backbone is not None:               # the small draft head belongs to this model's calibration
+            backbone.set_draft_head(cal.drafts.get("head", {}).get("ids"))
+        return cal
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise CalibrationError(f"calibration at {folder} is incomplete or corrupt: {exc}") from exc
 

@@ -126,16 +126,25 @@ class DomainMap:
             self.transform(_fitted_rows(self.model)[0])
         return time.perf_counter() - t0
 
-    def save(self, folder) -> dict:
-        """Write the coordinates (npz) and the fitted UMAP (joblib); return names and checksum."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        np.savez(folder / COORDS_FILE, coords=self.coords)
+    def save(self, folder, stage=None) -> dict:
+        """Write the coordinates (npz) and the fitted UMAP (joblib); return names and checksum.
+
+        Both files are written atomically (temporary + os.replace). With `stage` (a
+        calibration.StagedWrites) they are only staged, and go into place when it commits.
+        """
+        from .calibration import staged_writes   # calibration imports this module
+
+        if stage is None:
+            with staged_writes(folder) as own:
+                return self.save(folder, stage=own)
+        with stage.open(COORDS_FILE) as f:
+            np.savez(f, coords=self.coords)
         if self.model is None:
             return {"umap_sha256": None, "coords_file": COORDS_FILE, "model_file": None}
         import joblib
-        joblib.dump(self.model, folder / MODEL_FILE)
-        return {"umap_sha256": _sha256(folder / MODEL_FILE), "coords_file": COORDS_FILE,
+        with stage.open(MODEL_FILE) as f:
+            joblib.dump(self.model, f)
+        return {"umap_sha256": _sha256(stage.path(MODEL_FILE)), "coords_file": COORDS_FILE,
                 "model_file": MODEL_FILE}
 
     @staticmethod

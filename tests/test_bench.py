@@ -259,3 +259,63 @@ def test_scaling_runs_and_records_knapspec_choices(tiny, tiny_calibration, tmp_p
     written = scaling.write_outputs(res, tmp_path / "scaling")
     assert (tmp_path / "scaling" / "scaling.json").exists() and (tmp_path / "scaling" / "scaling.html").exists()
     assert "| knapspec |" in written["table"]
+
+
+# --- transformers' model.generate as an independent reference ------------------------------------
+def test_hf_generate_is_part_of_the_lossless_check(tiny, tiny_calibration, question_file, tmp_path):
+    out = tmp_path / "hf"
+    rc = _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,static,knn", "--limit", "1",
+               "--categories", "qa,translation,summarization", "--no-figures", "--hf-generate-every", "1")
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lossless"] is True and summary["lossless_vs_ar"] is True
+    assert summary["lossless_vs_hf"] is True                  # generate ran and agreed with ar on all 3
+    assert summary["hf_generate_matches_ar"] == "3/3"
+    assert "model.generate" in summary["definitions"]["lossless"]
+    # without generate there is nothing to compare against: null, not a pass
+    rc = _main(tiny, tiny_calibration, question_file, tmp_path / "nohf", "--strategies", "ar,static",
+               "--limit", "1", "--categories", "qa", "--no-figures", "--hf-generate-every", "0")
+    assert rc == 0
+    assert json.loads((tmp_path / "nohf" / "summary.json").read_text())["lossless_vs_hf"] is None
+
+
+def test_hf_generate_mismatch_fails_naming_prompt_and_strategy(tiny, tiny_calibration, question_file, tmp_path,
+                                                               monkeypatch, capsys):
+    real = type(tiny.hf_model).generate
+    prompt_ids = {}
+    for q in bench.select(bench.load_questions(question_file), ["qa", "translation"], 1):
+        prompt_ids[q.question_id] = tiny.encode(q.prompt).ids
+    target = prompt_ids[7]                                    # the first qa question
+
+    def tampered(self, input_ids, **kw):
+        out = real(self, input_ids, **kw)
+        if tuple(input_ids[0].tolist()) == target and kw.get("max_new_tokens") == 10:
+            out = out.clone()
+            out[0, input_ids.shape[1] + 2] = (out[0, input_ids.shape[1] + 2] + 1) % tiny.vocab
+        return out
+
+    monkeypatch.setattr(type(tiny.hf_model), "generate", tampered)
+    out = tmp_path / "hf_broken"
+    rc = _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,static", "--limit", "1",
+               "--categories", "qa,translation", "--no-figures", "--hf-generate-every", "1")
+    assert rc == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lossless"] is False
+    assert summary["lossless_vs_ar"] is True and summary["lossless_vs_hf"] is False
+    assert summary["hf_generate_matches_ar"] == "1/2"
+    (f,) = summary["lossless_failures"]
+    assert (f["question_id"], f["category"], f["strategy"], f["reference"]) == (7, "qa", "ar", "hf_generate")
+    assert f["first_difference_at_token"] == 2
+    err = capsys.readouterr().err
+    assert "LOSSLESS FAILURE: strategy ar on question 7 (qa) differs from transformers' " \
+           "model.generate at token 2" in err
+
+
+def test_hf_reference_stops_where_the_core_stops(tiny):
+    # the stop set handed to generate is the core's, and the comparison cuts after the first EOS
+    kw = bench.hf_greedy_kwargs(tiny, 12)
+    assert kw["eos_token_id"] == sorted(tiny.eos_ids) and kw["do_sample"] is False
+    assert kw["repetition_penalty"] == 1.0 and kw["max_new_tokens"] == 12
+    eos = next(iter(tiny.eos_ids))
+    assert bench.cut_at_eos([5, 6, eos, eos, eos], tiny.eos_ids) == (5, 6, eos)
+    assert bench.cut_at_eos([5, 6], tiny.eos_ids) == (5, 6)

@@ -1,6 +1,12 @@
 """calibrate end to end on the tiny model; artefact round-trip and the mismatch errors."""
+import io
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,3 +104,132 @@ def test_tampered_umap_is_never_unpickled(tiny_calibration, tmp_path):
     (folder / "umap.joblib").write_bytes(b"not a pickle at all")
     with pytest.raises((DomainMapError, CalibrationError)):
         cal.load_domain_map()
+
+
+# --- atomic writes: an interrupted calibration leaves the previous one intact ------------------------
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _temporaries(folder):
+    return [p.name for p in folder.iterdir() if cal_io.TMP_MARK in p.name]
+
+
+def test_calibration_leaves_no_temporaries(tiny_calibration):
+    folder = tiny_calibration.folder
+    assert (folder / "search_history.json").exists()
+    assert json.loads((folder / "search_history.json").read_text())["static"]
+    assert _temporaries(folder) == []
+
+
+@pytest.mark.parametrize("exc", [OSError("No space left on device"), KeyboardInterrupt()],
+                         ids=["disk-full", "ctrl-c"])
+@pytest.mark.parametrize("where", ["router.npz", "search_history.json", "calibration.json"])
+def test_interrupted_save_keeps_the_previous_calibration(tiny, tiny_calibration, tmp_path, monkeypatch,
+                                                         where, exc):
+    folder = _copy(tiny_calibration, tmp_path)
+    before = _snapshot(folder)
+    cal = cal_io.load(folder, tiny)
+    cal.meta["created"] = "the interrupted run"
+    extra = {"search_history.json": {"static": []}} if where != "calibration.json" else None
+
+    real_savez, real_dump = np.savez, json.dump
+
+    def savez_half(f, **arrays):                  # write half of the real bytes, then die
+        buf = io.BytesIO()
+        real_savez(buf, **arrays)
+        f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+        raise exc
+
+    def dump_half(obj, f, **kw):
+        text = json.dumps(obj, **kw)
+        f.write(text[:len(text) // 2])
+        raise exc
+
+    if where == "router.npz":
+        monkeypatch.setattr(np, "savez", savez_half)
+    else:
+        monkeypatch.setattr(json, "dump", dump_half)
+    with pytest.raises(type(exc)):
+        cal_io.save(cal, folder, extra_json=extra)
+    monkeypatch.undo()
+
+    assert _snapshot(folder) == before             # every file as it was, nothing added
+    assert _temporaries(folder) == []
+    again = cal_io.load(folder, tiny)
+    assert again.meta["created"] == tiny_calibration.meta["created"]
+    # and the folder still takes a complete save
+    cal_io.save(cal, folder)
+    assert cal_io.load(folder, tiny).meta["created"] == "the interrupted run"
+    assert _temporaries(folder) == []
+
+
+KILLED_WRITER = r"""
+import json, os, signal, sys
+from ssd_core import calibration as cal_io
+folder = sys.argv[1]
+cal = cal_io.load(folder)
+cal.meta["created"] = "killed"
+real = json.dumps
+def dying_dump(obj, f, **kw):
+    text = real(obj, **kw)
+    f.write(text[: len(text) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)          # no cleanup runs: like a power cut or the OOM killer
+json.dump = dying_dump
+cal_io.save(cal, folder)
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="SIGKILL is POSIX")
+def test_killed_calibration_leaves_only_a_hidden_temporary_that_the_next_save_sweeps(tiny, tiny_calibration,
+                                                                                     tmp_path):
+    folder = _copy(tiny_calibration, tmp_path)
+    before = _snapshot(folder)
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(folder)], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = _temporaries(folder)
+    # the staged router.npz and the half-written calibration.json: hidden names, never an artefact's
+    assert sorted(n.split(cal_io.TMP_MARK)[0] for n in left) == [".calibration.json", ".router.npz"]
+    assert {n: b for n, b in _snapshot(folder).items() if n not in left} == before
+    assert cal_io.load(folder, tiny).meta["created"] == tiny_calibration.meta["created"]
+    # the writer is dead: the next save removes its temporary
+    cal = cal_io.load(folder, tiny)
+    cal_io.save(cal, folder)
+    assert _temporaries(folder) == []
+    assert cal_io.load(folder, tiny).meta["created"] == tiny_calibration.meta["created"]
+
+
+def test_atomic_write_replaces_whole_files_or_nothing(tmp_path):
+    path = tmp_path / "doc.json"
+    with cal_io.atomic_write(path, "w", encoding="utf-8") as f:
+        f.write('{"v": 1}')
+    assert json.loads(path.read_text()) == {"v": 1}
+    with pytest.raises(RuntimeError):
+        with cal_io.atomic_write(path, "w", encoding="utf-8") as f:
+            f.write('{"v": 2, "half')
+            raise RuntimeError("interrupted")
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["doc.json"]
+    # a temporary of a live process is left alone; one of a dead process is swept
+    live = tmp_path / f".doc.json{cal_io.TMP_MARK}{os.getpid()}-0000"
+    live.write_text("in progress")
+    assert cal_io.remove_stale_temporaries(tmp_path) == [] and live.exists()
+
+
+def test_domain_map_files_are_written_atomically(tmp_path, monkeypatch):
+    from ssd_core.domain_map import COORDS_FILE, DomainMap
+    dm = DomainMap.coords_only(np.zeros((5, 2), dtype=np.float32))
+    dm.save(tmp_path)
+    before = _snapshot(tmp_path)
+
+    def broken(f, **arrays):
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken)
+    with pytest.raises(OSError):
+        DomainMap.coords_only(np.ones((5, 2), dtype=np.float32)).save(tmp_path)
+    assert _snapshot(tmp_path) == before and list(before) == [COORDS_FILE]
