@@ -62,6 +62,10 @@ QUEUE_SIZE = 64                 # waiting requests beyond this are turned away b
 # Models a public Space may serve (never arbitrary paths, never trust_remote_code).
 ALLOWED_MODELS = (None, "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
                   "Qwen/Qwen2.5-0.5B-Instruct")
+# the draft's weights, as offered in the UI: (DecodeConfig.draft, DecodeConfig.lookup)
+DRAFTS = {"int8 + prompt lookup": ("int8", True), "int8": ("int8", False),
+          "fp32 + prompt lookup": ("fp32", True), "fp32 (layer skipping only)": ("fp32", False)}
+DEFAULT_DRAFT = "int8 + prompt lookup"
 PLOT_H = 270                  # the two Generate-tab figures; with the rest it fits 1280×720
 QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
 SKIP = gr.skip
@@ -293,13 +297,16 @@ def domains_views(studio: "Studio"):
 
 
 # --- building a request -----------------------------------------------------------------------------
-def make_config(max_new, gamma, threshold, temperature, top_p) -> DecodeConfig:
+def make_config(max_new, gamma, threshold, temperature, top_p, draft=DEFAULT_DRAFT) -> DecodeConfig:
     """Settings from the UI or the API; anything out of range raises ValueError with a message."""
     if not 1 <= float(max_new) <= MAX_NEW_TOKENS:
         raise ValueError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}")
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of: {', '.join(DRAFTS)}")
+    kind, lookup = DRAFTS[draft]
     return DecodeConfig(max_new_tokens=int(max_new), gamma=int(gamma), threshold=float(threshold),
                         temperature=float(temperature), top_p=float(top_p), seed=0,
-                        max_prompt_tokens=MAX_PROMPT_TOKENS)
+                        max_prompt_tokens=MAX_PROMPT_TOKENS, draft=kind, lookup=lookup)
 
 
 def safe_k(k) -> int:
@@ -309,11 +316,11 @@ def safe_k(k) -> int:
     return int(k)
 
 
-def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | None):
+def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | None, draft: str = "int8"):
     cal = studio.calibration
     if cal is None or name == "ar":
         return Autoregressive()
-    return cal.strategy(name, gamma=int(gamma), k=int(k), domain=domain or None)
+    return cal.strategy(name, gamma=int(gamma), k=int(k), domain=domain or None, draft=draft)
 
 
 def _timed(events):
@@ -359,7 +366,7 @@ def _layer_fig(studio: Studio, run: Run | None):
     name = {"knn": f"{domain} set", "static": "static set", "oracle": f"{run.skip.name} set",
             "knapspec": "KnapSpec set"}.get(run.strategy, run.skip.name)
     return vlayers.layer_map(n, sets, static, in_use=run.skip, in_use_name=name, in_use_domain=domain,
-                             history=run.history, height=PLOT_H)
+                             history=run.history, height=PLOT_H, draft=run.start.draft if run.start else "")
 
 
 def _map_fig(studio: Studio, run: Run | None):
@@ -390,12 +397,15 @@ def _cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
     skip = run.skip if run is not None and run.skip is not None else cal.static
     gamma = run.config.gamma if run is not None else 4
     stats = run.stats if run is not None else None
+    kind = run.config.draft if run is not None else "int8"
+    kind = kind if lat.knows(kind) else "fp32"
     if stats is not None and stats.drafted:
         alpha, source = stats.alpha, "this run"
     else:
-        alpha, source = cal.acceptance().get(skip.name, cal.acceptance()["static"]), "calibration"
+        acc = cal.acceptance(kind)
+        alpha, source = acc.get(skip.name, acc["static"]), "calibration"
     ctx = (run.start.prompt_len + stats.new_tokens // 2) if run is not None and run.start else 256
-    b = lat.breakdown(skip, alpha, gamma, ctx)
+    b = lat.breakdown(skip, alpha, gamma, ctx, kind)
     measured_speedup = None
     if race is not None and run is not None and race.strategy == LABELS.get(run.strategy):
         measured_speedup = race.speedup
@@ -436,12 +446,12 @@ def public_message(text: str) -> str:
 
 def generate_text(studio: "Studio", prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
                   gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
-                  top_p: float = 1.0) -> dict:
+                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT) -> dict:
     """The plain API: one whole answer and its stats (gradio_client, the soak script and tests).
 
     Bad input never raises: the answer is {"error": message} and the server keeps serving.
     """
-    err, cfg = _problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p))
+    err, cfg = _problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p, draft))
     if err:
         return {"error": err}
     name = STRATEGIES.get(strategy, strategy if strategy in STRATEGIES.values() else None)
@@ -449,8 +459,8 @@ def generate_text(studio: "Studio", prompt: str, strategy: str = "KNN-SSD", max_
         return {"error": f"unknown strategy {str(strategy)[:40]!r}; choose from {', '.join(STRATEGIES)}"}
     if studio.calibration is None:
         name = "ar"
-    g = core_generate(studio.backbone, clean_prompt(prompt).strip(), make_strategy(studio, name, cfg.gamma, 5, None),
-                      cfg)
+    g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
+                      make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
     st = g.stats
     return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
             "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
@@ -486,7 +496,7 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
         strategy = "ar"
     run = Run(prompt, strategy, cfg)
     session.run, session.stop = run, False
-    strat = make_strategy(studio, strategy, cfg.gamma, k, domain)
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     bb = studio.backbone
     eos = bb.eos_ids
     parts: list[str] = []
@@ -529,10 +539,11 @@ def _stats_view(run: Run | None, race, note: str = "") -> str:
 
 
 def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-             temperature, top_p, k):
+             temperature, top_p, k, draft=DEFAULT_DRAFT):
     """Generate: stream coloured tokens, stats and (when they change) the two figures."""
     session = _session(session)
-    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p), safe_k(k)))
+    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p, draft),
+                                         safe_k(k)))
     if err:
         yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
@@ -551,10 +562,11 @@ def _final_stats(session: Session) -> str:
 
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-         temperature, top_p, k):
+         temperature, top_p, k, draft=DEFAULT_DRAFT):
     """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
     session = _session(session)
-    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p), safe_k(k)))
+    err, got = _problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p, draft),
+                                         safe_k(k)))
     if err:
         yield _out(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
@@ -673,11 +685,12 @@ def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k
     strategy = STRATEGIES.get(strategy_label, "knn")
     if strategy == "ar" or studio.calibration is None:
         strategy = "knn" if studio.calibration is not None else "ar"
-    err, got = _problem(prompt, lambda: (make_config(256, gamma, 0.0, 0.0, 1.0), safe_k(k)))
+    # teaching: model drafts only (no lookup), so every draft shows the draft's probabilities
+    err, got = _problem(prompt, lambda: (make_config(256, gamma, 0.0, 0.0, 1.0, "int8"), safe_k(k)))
     if err:
         return session, f'<div class="walk idle">{html.escape(err)}</div>'
     cfg, k = got
-    strat = make_strategy(studio, strategy, cfg.gamma, k, domain)
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
     start = next(events)
     route = (start.info or {}).get("route")
@@ -840,7 +853,11 @@ def build(studio: Studio) -> gr.Blocks:
                                             label="Strategy", elem_id="strategy")
                         oracle_domain = gr.Dropdown(list(DOMAINS), value="math", label="oracle domain",
                                                     visible=False)
-                        with gr.Accordion("Advanced: tokens, γ, threshold, sampling, K", open=False):
+                        with gr.Accordion("Advanced: draft, tokens, γ, threshold, sampling, K", open=False):
+                            draft = gr.Radio(list(DRAFTS), value=DEFAULT_DRAFT, label="draft weights",
+                                             elem_id="draft",
+                                             info="int8: a quantised copy of the same weights drafts (the "
+                                                  "verifier stays fp32); lookup: copy from earlier text first")
                             max_new = gr.Slider(8, 512, value=96, step=8, label="max new tokens")
                             gamma = gr.Slider(1, 12, value=4, step=1, label="draft length γ")
                             threshold = gr.Slider(0, 1, value=0.0, step=0.05, label="stop threshold",
@@ -898,7 +915,8 @@ def build(studio: Studio) -> gr.Blocks:
                 gr.Markdown(ABOUT)
 
         # --- wiring -------------------------------------------------------------------------------
-        gen_inputs = [session, prompt, strategy, oracle_domain, max_new, gamma, threshold, temperature, top_p, k]
+        gen_inputs = [session, prompt, strategy, oracle_domain, max_new, gamma, threshold, temperature, top_p, k,
+                      draft]
         gen_outputs = [session, tokens, stats, route, domain_plot, layer_plot, race_view, cost, what_if_plot]
         model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="hidden")
         gen_evt = gen_btn.click(partial(generate, studio), gen_inputs, gen_outputs, **model_lane)
@@ -929,8 +947,9 @@ def build(studio: Studio) -> gr.Blocks:
         demo.load(partial(page_load, studio, cal), [session], fresh, show_progress="hidden")
         def generate_text_api(prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
                               gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
-                              top_p: float = 1.0) -> dict:
-            return generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p)
+                              top_p: float = 1.0, draft: str = DEFAULT_DRAFT) -> dict:
+            return generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
+                                 draft)
         gr.api(generate_text_api, api_name="generate_text", concurrency_limit=1, concurrency_id="model")
     return demo
 

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,30 @@ class Backbone:
         self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
                                  if i is not None)
         self.hf_model = hf_model
+        self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
+        self._drafts: dict = {}
+        self._drafts_lock = threading.Lock()
+
+    def set_draft_head(self, ids) -> None:
+        """Install the small draft head's token ids (from a calibration); None → the full vocabulary."""
+        ids = None if ids is None else tuple(sorted({int(i) for i in ids}))
+        with self._drafts_lock:
+            if ids != self.draft_head_ids:
+                self.draft_head_ids = ids
+                self._drafts = {k: v for k, v in self._drafts.items() if not k[1]}
+
+    def draft_weights(self, kind: str = "int8", small_head: bool = True):
+        """The (cached) draft weights of a kind; None when the draft reads the fp32 weights as they are."""
+        from .draft import DraftWeights
+
+        head = small_head and self.draft_head_ids is not None
+        if kind == "fp32" and not head:
+            return None
+        key = (kind, head)
+        with self._drafts_lock:                 # built once (≈ 2 s for int8), shared by all sessions
+            if key not in self._drafts:
+                self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None)
+            return self._drafts[key]
 
     # --- sizes -------------------------------------------------------------------------------
     def weight_bytes(self, skip: SkipSet = EMPTY) -> int:
@@ -184,12 +209,14 @@ class Backbone:
     # --- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, ids, cache: KVCache, skip: SkipSet = EMPTY, logits: str = "last",
-                collect: list | None = None):
+                collect: list | None = None, draft=None):
         """Run tokens `ids` at positions cache.length.. ; append their KV (non-skipped layers).
 
         logits: "last" → (vocab,), "all" → (T, vocab), "none" → final-norm hidden states (T, D).
         collect: if a list is given, (layer, kind, h_before, h_after) for every sublayer run.
+        draft: a `draft.DraftWeights` to read instead of the fp32 weights (draft passes only).
         """
+        layers, lin = (self.layers, F.linear) if draft is None else (draft.layers, draft.linear)
         if not torch.is_tensor(ids):
             ids = torch.tensor(ids, dtype=torch.long)
         T = ids.shape[0]
@@ -207,10 +234,10 @@ class Backbone:
             mask = None
         half = hd // 2
         attn_skip, mlp_skip = skip.attn, skip.mlp
-        for i, L in enumerate(self.layers):
+        for i, L in enumerate(layers):
             if i not in attn_skip:
                 h = F.rms_norm(x, (self.hidden,), L.ln1, self.eps)
-                qkv = F.linear(h, L.wqkv, L.bqkv)
+                qkv = lin(h, L.wqkv, L.bqkv)
                 q = qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1)
                 k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1)
                 v = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
@@ -222,15 +249,15 @@ class Backbone:
                 o = F.scaled_dot_product_attention(
                     q.reshape(Hk, g * T, hd), cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
                 o = o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-                delta = F.linear(o, L.wo)
+                delta = lin(o, L.wo)
                 if collect is not None:
                     collect.append((i, "attn", x, x + delta))
                 x = x + delta
             if i not in mlp_skip:
                 h = F.rms_norm(x, (self.hidden,), L.ln2, self.eps)
-                gu = F.linear(h, L.wgu)
+                gu = lin(h, L.wgu)
                 gate, up = gu.chunk(2, -1)
-                delta = F.linear(F.silu(gate) * up, L.wdown)
+                delta = lin(F.silu(gate) * up, L.wdown)
                 if collect is not None:
                     collect.append((i, "mlp", x, x + delta))
                 x = x + delta
@@ -240,7 +267,7 @@ class Backbone:
         x = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
         if logits == "none":
             return x
-        out = F.linear(x, self.lm_head)
+        out = F.linear(x, self.lm_head) if draft is None else draft.head(x)
         return out[0] if logits == "last" else out
 
     @torch.inference_mode()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from .backbone import EMPTY, Backbone, PromptIds
+from .draft import DRAFT_KINDS
+from .lookup import PromptLookup
 from .skipset import SkipSet
 
 
@@ -27,6 +30,9 @@ class DecodeConfig:
     seed: int | None = 0
     stop_at_eos: bool = True
     max_prompt_tokens: int | None = None
+    draft: str = "int8"            # draft weights: "int8" (quantised copy) or "fp32" (see draft.py)
+    small_head: bool = True        # draft with the calibration's frequent-token head, when there is one
+    lookup: bool = True            # try a prompt-lookup draft before running the model draft
 
     def __post_init__(self):
         checks = [
@@ -35,6 +41,7 @@ class DecodeConfig:
             (_finite(self.threshold) and 0.0 <= self.threshold <= 1.0, "threshold must be in [0, 1]"),
             (_finite(self.temperature) and 0.0 <= self.temperature <= 10.0, "temperature must be in [0, 10]"),
             (_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.draft in DRAFT_KINDS, f"draft must be one of {', '.join(DRAFT_KINDS)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -56,6 +63,7 @@ class Decision:
     skip: SkipSet | None
     note: str = ""
     info: dict = field(default_factory=dict)
+    gamma: int | None = None      # most drafts this step (None → the config's gamma)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Start:
     strategy: str
     info: dict
     truncated: bool = False
+    draft: str = ""               # the draft's weights in words, e.g. "int8 draft, 8k-token head"
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class Step:
     overhead_s: float
     note: str = ""
     finished: bool = False
+    source: str = ""                  # who drafted: "model", "lookup" (prompt lookup) or "" (none)
 
     @property
     def speculative(self) -> bool:
@@ -113,6 +123,9 @@ class Strategy:
 
     def update(self, step: Step) -> None:
         """Told each step's outcome (e.g. to adapt)."""
+
+    # how many tokens to draft this step (latency.AdaptiveLength, set by Calibration.strategy)
+    length = None
 
 
 @dataclass
@@ -162,14 +175,17 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     gen = torch.Generator().manual_seed(config.seed if config.seed is not None else
                                         int(time.time_ns() % (2 ** 31)))
     budget = config.max_new_tokens
+    draft = backbone.draft_weights(config.draft, config.small_head)
     cache = backbone.new_cache(min(backbone.max_positions, len(prompt) + budget + config.gamma + 2))
     t0 = time.perf_counter()
     pre = backbone.prefill(prompt, cache)
     first = int(pre.logits.argmax()) if config.greedy else _sample(_probs(pre.logits, config), gen)
     prefill_s = time.perf_counter() - t0
     info = strategy.start(backbone, prompt, pre.embedding)
-    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, info, prompt.truncated)
+    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, info, prompt.truncated,
+                draft=draft.label if draft is not None else "fp32 draft")
     tokens = list(prompt.ids) + [first]
+    lookup = PromptLookup(tokens) if config.lookup else None
     generated = 1
     finished = config.stop_at_eos and first in backbone.eos_ids
     index = 0
@@ -180,7 +196,16 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
         state = DecodeState(backbone, cache, tokens, generated, index, config)
         decision = strategy.choose(state)
         room = budget - generated          # tokens we may still commit
-        step = _step(backbone, cache, tokens[-1], decision, config, gen, room, index, t_start)
+        gamma = 0
+        if decision.skip is not None:
+            gamma = decision.gamma or config.gamma
+            if strategy.length is not None:
+                gamma = strategy.length.gamma(decision.skip, cache.length, config.gamma)
+            gamma = max(0, min(gamma, config.gamma, room - 1))
+        # a lookup draft costs nothing to make: propose as many as the config allows
+        proposal = lookup.propose(min(config.gamma, room - 1)) if lookup is not None and gamma else ()
+        step = _step(backbone, cache, tokens[-1], decision, config, gen, gamma, proposal,
+                     draft, index, t_start)
         committed = step.committed
         if config.stop_at_eos:
             for j, t in enumerate(committed):
@@ -189,33 +214,39 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
                     finished = True
                     break
         tokens.extend(committed)
+        if lookup is not None:
+            lookup.extend(committed)
         generated += len(committed)
         finished = finished or generated >= budget
         if committed != step.committed or finished:
-            step = _replace(step, committed=committed, finished=finished)
+            step = replace(step, committed=committed, finished=finished)
+        if strategy.length is not None:
+            strategy.length.update(step)
         strategy.update(step)
         index += 1
         yield step
 
 
-def _replace(step: Step, **kw) -> Step:
-    from dataclasses import replace
-    return replace(step, **kw)
-
-
 def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConfig,
-          gen: torch.Generator, room: int, index: int, t_start: float) -> Step:
+          gen: torch.Generator, gamma: int, proposal: tuple[int, ...], draft, index: int,
+          t_start: float) -> Step:
+    """Draft (lookup proposal, or up to gamma model drafts), verify with the full model, accept."""
     n = cache.length
     greedy = cfg.greedy
     skip = decision.skip
-    gamma = min(cfg.gamma, room - 1) if skip is not None else 0
     drafted: list[int] = []
     draft_probs: list[float] = []
     q_rows = []
     t_draft = time.perf_counter()
+    if proposal:
+        # a deterministic draft: q is one-hot, so speculative sampling accepts with probability p(d)
+        drafted = list(proposal)
+        draft_probs = [1.0] * len(drafted)
+        if not greedy:
+            q_rows = [F.one_hot(torch.tensor(d), bb.vocab).float() for d in drafted]
     x = pending
-    for _ in range(gamma):
-        logits = bb.forward([x], cache, skip)
+    for _ in range(0 if proposal else gamma):
+        logits = bb.forward([x], cache, skip, draft=draft)
         if greedy:
             p_top, d = torch.softmax(logits, -1).max(-1)
             p_top, d = float(p_top), int(d)
@@ -248,10 +279,12 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
     cache.crop(n + accepted + 1)
     t_end = time.perf_counter()
     draft_s, verify_s = t_verify - t_draft, t_accept - t_verify
+    source = ("lookup" if proposal else "model") if drafted else ""
     return Step(index=index, context_len=n, drafted=tuple(drafted), draft_probs=tuple(draft_probs),
                 verified=verified, accepted=accepted, committed=committed, skip=skip,
                 draft_s=draft_s, verify_s=verify_s,
-                overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note)
+                overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note,
+                source=source)
 
 
 def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:

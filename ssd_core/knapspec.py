@@ -92,28 +92,33 @@ class KnapChoice:
 
 def choose_skip(latency: LatencyModel, attn_sim, mlp_sim, context_len: int, gamma: int,
                 kappa: float = DEFAULT_KAPPA, protect=None, bins: int = 240,
-                max_ratio: float = 0.75) -> KnapChoice:
-    """The skip set that maximises predicted tokens per unit time at this context length."""
+                max_ratio: float = 0.75, kind: str = "fp32", agreement: float = 1.0) -> KnapChoice:
+    """The skip set that maximises predicted tokens per unit time at this context length.
+
+    kind: the draft weights (their sublayer costs); agreement: the bare draft's acceptance (< 1
+    for a quantised draft), which multiplies exp(−κ·loss). Skipping nothing is a candidate too.
+    """
     L = latency.n_layers
     protect = {0, L - 1} if protect is None else set(protect)
-    full = latency.step_time(EMPTY, context_len)
+    full = latency.step_time(EMPTY, context_len, kind)
     unit = full / bins
     items = [("attn", i) for i in range(L) if i not in protect] + \
             [("mlp", i) for i in range(L) if i not in protect]
-    saves = [latency.attn_time(context_len) if k == "attn" else latency.mlp for k, _ in items]
+    attn_save, mlp_save = latency.sublayer_times(context_len, kind)
+    saves = [attn_save if k == "attn" else mlp_save for k, _ in items]
     weights = [max(1, round(s / unit)) for s in saves]
     losses = [max(0.0, 1.0 - float((attn_sim if k == "attn" else mlp_sim)[i])) for k, i in items]
     capacity = min(sum(weights), int(bins * max_ratio))
     best, choose = knapsack_min_loss(weights, losses, capacity)
     top = None
-    for c in range(1, capacity + 1):
+    for c in range(0, capacity + 1):
         if not math.isfinite(best[c]):
             continue
-        chosen = [items[j] for j in choose(c)]
+        chosen = [items[j] for j in choose(c)] if c else []
         skip = SkipSet(frozenset(i for k, i in chosen if k == "attn"),
                        frozenset(i for k, i in chosen if k == "mlp"), name="knapspec")
-        acc = math.exp(-kappa * best[c])
-        speed = latency.expected_speedup(skip, acc, gamma, context_len)
+        acc = agreement * math.exp(-kappa * best[c])
+        speed = latency.expected_speedup(skip, acc, gamma, context_len, kind)
         if top is None or speed > top.predicted_speedup:
             top = KnapChoice(skip, speed, acc, float(best[c]), context_len)
     return top
@@ -134,8 +139,9 @@ class KnapSpec(Strategy):
     name = "knapspec"
 
     def __init__(self, latency: LatencyModel, gamma: int, kappa: float = DEFAULT_KAPPA,
-                 every: int = 32, window: int = 8):
+                 every: int = 32, window: int = 8, kind: str = "fp32", agreement: float = 1.0):
         self.latency, self.gamma, self.kappa = latency, gamma, kappa
+        self.kind, self.agreement = kind, agreement
         self.every, self.window = every, window
         self.current: KnapChoice | None = None
         self.history: list[dict] = []
@@ -149,7 +155,8 @@ class KnapSpec(Strategy):
         if self.current is None or state.steps % self.every == 0:
             attn, mlp = sublayer_similarity(state.backbone, state.cache, state.tokens, self.window)
             ctx = state.cache.length
-            choice = choose_skip(self.latency, attn, mlp, ctx, self.gamma, self.kappa)
+            choice = choose_skip(self.latency, attn, mlp, ctx, self.gamma, self.kappa, kind=self.kind,
+                                 agreement=self.agreement)
             changed = self.current is None or choice.skip != self.current.skip
             self.current = choice
             record = {"step": state.steps, "context_len": ctx, "skip": choice.skip.to_dict(),

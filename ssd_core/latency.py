@@ -38,19 +38,36 @@ class LatencyModel:
     verify: dict[int, float]      # k tokens → verify time / single-token full step time
     measured: list[dict] = field(default_factory=list)   # raw points, for the fit report
     machine: dict = field(default_factory=dict)
+    # per draft kind ("int8", ...): the same sublayer costs measured on the draft weights (draft.py)
+    drafts: dict[str, dict] = field(default_factory=dict)
 
     # --- costs -------------------------------------------------------------------------------
     def attn_time(self, context_len: int) -> float:
         return self.attn_a + self.attn_b * context_len
 
-    def step_time(self, skip: SkipSet = EMPTY, context_len: int = 256) -> float:
-        L = self.n_layers
-        return (self.overhead + self.head + (L - len(skip.attn)) * self.attn_time(context_len)
-                + (L - len(skip.mlp)) * self.mlp)
+    def _costs(self, kind: str) -> dict:
+        return self.drafts.get(kind) or {"attn_a": self.attn_a, "attn_b": self.attn_b, "mlp": self.mlp,
+                                         "head": self.head, "overhead": self.overhead}
 
-    def draft_cost(self, skip: SkipSet, context_len: int = 256) -> float:
+    def sublayer_times(self, context_len: int = 256, kind: str = "fp32") -> tuple[float, float]:
+        """Seconds one attention and one MLP sublayer take (what skipping one saves)."""
+        c = self._costs(kind)
+        return c["attn_a"] + c["attn_b"] * context_len, c["mlp"]
+
+    def step_time(self, skip: SkipSet = EMPTY, context_len: int = 256, kind: str = "fp32") -> float:
+        """One single-token forward; `kind` names the draft weights it reads (fp32 = the model's own)."""
+        L = self.n_layers
+        c = self._costs(kind)
+        attn, mlp = self.sublayer_times(context_len, kind)
+        return c["overhead"] + c["head"] + (L - len(skip.attn)) * attn + (L - len(skip.mlp)) * mlp
+
+    def draft_cost(self, skip: SkipSet, context_len: int = 256, kind: str = "fp32") -> float:
         """c: one draft step relative to one full step."""
-        return self.step_time(skip, context_len) / self.step_time(EMPTY, context_len)
+        return self.step_time(skip, context_len, kind) / self.step_time(EMPTY, context_len)
+
+    def knows(self, kind: str) -> bool:
+        """Whether draft costs of this kind were profiled (older calibrations only have fp32)."""
+        return kind == "fp32" or kind in self.drafts
 
     def verify_cost(self, k: int) -> float:
         """v: a verification pass over k tokens relative to one full step (interpolated)."""
@@ -69,32 +86,40 @@ class LatencyModel:
         return self.verify[lo] * (1 - w) + self.verify[hi] * w
 
     def expected_speedup(self, skip: SkipSet, acceptance: float, gamma: int,
-                         context_len: int = 256) -> float:
+                         context_len: int = 256, kind: str = "fp32") -> float:
         """E[tokens per step] / (γ·c + v(γ+1)): tokens per unit time vs autoregressive."""
-        c = self.draft_cost(skip, context_len)
+        c = self.draft_cost(skip, context_len, kind)
         return expected_tokens(acceptance, gamma) / (gamma * c + self.verify_cost(gamma + 1))
 
-    def breakdown(self, skip: SkipSet, acceptance: float, gamma: int, context_len: int = 256) -> dict:
+    def best_gamma(self, skip: SkipSet, acceptance: float, max_gamma: int, context_len: int = 256,
+                   kind: str = "fp32") -> int:
+        """The draft length (1..max_gamma) with the most expected tokens per unit time."""
+        return max(range(1, max_gamma + 1),
+                   key=lambda g: self.expected_speedup(skip, acceptance, g, context_len, kind))
+
+    def breakdown(self, skip: SkipSet, acceptance: float, gamma: int, context_len: int = 256,
+                  kind: str = "fp32") -> dict:
         """Every number of the cost panel, in one place."""
-        c = self.draft_cost(skip, context_len)
+        c = self.draft_cost(skip, context_len, kind)
         v = self.verify_cost(gamma + 1)
         e = expected_tokens(acceptance, gamma)
         return {"draft_cost": c, "verify_cost": v, "expected_tokens": e,
                 "step_cost": gamma * c + v, "predicted_speedup": e / (gamma * c + v),
                 "full_step_ms": 1000 * self.step_time(EMPTY, context_len),
-                "draft_step_ms": 1000 * self.step_time(skip, context_len),
+                "draft_step_ms": 1000 * self.step_time(skip, context_len, kind), "draft_kind": kind,
                 "attn_ms": 1000 * self.attn_time(context_len), "mlp_ms": 1000 * self.mlp,
                 "head_ms": 1000 * self.head, "overhead_ms": 1000 * self.overhead,
                 "acceptance": acceptance, "gamma": gamma, "context_len": context_len}
 
-    def break_even_acceptance(self, skip: SkipSet, gamma: int, context_len: int = 256) -> float | None:
+    def break_even_acceptance(self, skip: SkipSet, gamma: int, context_len: int = 256,
+                              kind: str = "fp32") -> float | None:
         """Smallest acceptance at which speculation stops losing (None if it never does)."""
         lo, hi = 0.0, 1.0
-        if self.expected_speedup(skip, 1.0, gamma, context_len) < 1.0:
+        if self.expected_speedup(skip, 1.0, gamma, context_len, kind) < 1.0:
             return None
         for _ in range(40):
             mid = (lo + hi) / 2
-            if self.expected_speedup(skip, mid, gamma, context_len) < 1.0:
+            if self.expected_speedup(skip, mid, gamma, context_len, kind) < 1.0:
                 lo = mid
             else:
                 hi = mid
@@ -114,13 +139,14 @@ class LatencyModel:
 
 
 # --- profiling --------------------------------------------------------------------------------------
-def _time_forward(bb: Backbone, cache, n_tokens: int, context: int, skip: SkipSet, repeats: int) -> float:
+def _time_forward(bb: Backbone, cache, n_tokens: int, context: int, skip: SkipSet, repeats: int,
+                  draft=None) -> float:
     ids = [1] * n_tokens
     times = []
     for _ in range(repeats):
         cache.length = context
         t = time.perf_counter()
-        bb.forward(ids, cache, skip, logits="all" if n_tokens > 1 else "last")
+        bb.forward(ids, cache, skip, logits="all" if n_tokens > 1 else "last", draft=draft)
         times.append(time.perf_counter() - t)
     cache.length = 0
     # the minimum: timing noise on a shared CPU only ever adds time
@@ -134,26 +160,19 @@ def _fit_line(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4, 5, 7, 9),
-            repeats: int = 9, progress: bool = True) -> LatencyModel:
-    """Measure sublayer, lm_head, overhead and verify costs with real forwards on this machine."""
-    from tqdm.auto import tqdm
-
+def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None) -> dict:
+    """Attention (linear in context), MLP, lm_head and overhead seconds for one kind of weights."""
     L = bb.n_layers
-    contexts = [c for c in contexts if c + max(verify_ks) + 2 <= bb.max_positions]
-    cache = bb.new_cache(max(contexts) + max(verify_ks) + 2)
     all_attn = SkipSet(frozenset(range(L)), frozenset())
     all_mlp = SkipSet(frozenset(), frozenset(range(L)))
     nothing = SkipSet(frozenset(range(L)), frozenset(range(L)))
-    jobs = [(c, s) for c in contexts for s in (EMPTY, all_attn, all_mlp, nothing)]
-    bar = tqdm(total=len(jobs) + len(verify_ks) + 1, desc="latency profile", disable=not progress)
-    cache.k.fill_(0.0), cache.v.fill_(0.0)                          # fault in every page now
     for c in contexts:                                              # warm-up
-        _time_forward(bb, cache, 1, c, EMPTY, 2)
+        _time_forward(bb, cache, 1, c, EMPTY, 2, draft)
     raw, points = {}, []
-    for c, s in jobs:
-        raw[(c, s)] = _time_forward(bb, cache, 1, c, s, repeats)
-        bar.update()
+    for c in contexts:
+        for s in (EMPTY, all_attn, all_mlp, nothing):
+            raw[(c, s)] = _time_forward(bb, cache, 1, c, s, repeats, draft)
+            bar.update()
     for c in contexts:
         full = raw[(c, EMPTY)]
         points.append({"context": c, "full_ms": 1000 * full,
@@ -164,13 +183,39 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     mlp = max(1e-6, statistics.median(p["mlp_ms"] for p in points) / 1000)
     bare = statistics.median(p["bare_ms"] for p in points) / 1000
     x = torch.zeros(1, bb.hidden, dtype=bb.dtype)
+    head_fn = (lambda: torch.nn.functional.linear(x, bb.lm_head)) if draft is None else (lambda: draft.head(x))
     head_times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.nn.functional.linear(x, bb.lm_head)
+        head_fn()
         head_times.append(time.perf_counter() - t)
     head = min(head_times)
     bar.update()
+    return {"attn_a": max(a, 1e-6), "attn_b": max(b, 0.0), "mlp": mlp, "head": head,
+            "overhead": max(bare - head, 0.0), "points": points}
+
+
+def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4, 5, 7, 9),
+            repeats: int = 9, progress: bool = True, drafts=("int8",)) -> LatencyModel:
+    """Measure sublayer, lm_head, overhead and verify costs with real forwards on this machine.
+
+    drafts: draft kinds (draft.py) whose costs are measured too, each on its own weights (with the
+    backbone's small draft head, if one is installed).
+    """
+    from tqdm.auto import tqdm
+
+    contexts = [c for c in contexts if c + max(verify_ks) + 2 <= bb.max_positions]
+    cache = bb.new_cache(max(contexts) + max(verify_ks) + 2)
+    per_kind = 4 * len(contexts) + 1
+    bar = tqdm(total=per_kind * (1 + len(drafts)) + len(verify_ks), desc="latency profile",
+               disable=not progress)
+    cache.k.fill_(0.0), cache.v.fill_(0.0)                          # fault in every page now
+    full = _sublayer_costs(bb, cache, contexts, repeats, bar)
+    kinds = {}
+    for kind in drafts:
+        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.draft_weights(kind))
+        costs.pop("points")
+        kinds[kind] = costs
     ref = contexts[min(1, len(contexts) - 1)]
     one = _time_forward(bb, cache, 1, ref, EMPTY, repeats)
     verify = {}
@@ -184,8 +229,9 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
         running = verify[k] = max(verify[k], running)
     machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "verify_context": ref}
-    return LatencyModel(n_layers=L, attn_a=max(a, 1e-6), attn_b=max(b, 0.0), mlp=mlp, head=head,
-                        overhead=max(bare - head, 0.0), verify=verify, measured=points, machine=machine)
+    points = full.pop("points")
+    return LatencyModel(n_layers=bb.n_layers, verify=verify, measured=points, machine=machine,
+                        drafts=kinds, **full)
 
 
 def fit_report(model: LatencyModel) -> list[dict]:
@@ -198,38 +244,91 @@ def fit_report(model: LatencyModel) -> list[dict]:
     return out
 
 
+# --- adaptive draft length -------------------------------------------------------------------------
+class AdaptiveLength:
+    """Chooses γ for each step from the measured costs and the acceptance seen so far in this run.
+
+    The acceptance estimate is a decayed count of accepted / tried draft positions (a rejected
+    position counts as one trial; positions after it were never tried), started from a prior. Lookup
+    drafts are not counted: they come from the prompt, not from the draft model.
+    """
+
+    def __init__(self, latency: LatencyModel, kind: str = "fp32", prior: float = 0.7,
+                 weight: float = 4.0, decay: float = 0.9):
+        self.latency, self.kind, self.decay = latency, kind, decay
+        self.hits, self.trials = prior * weight, weight
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / self.trials
+
+    def gamma(self, skip: SkipSet, context_len: int, max_gamma: int) -> int:
+        return self.latency.best_gamma(skip, self.acceptance, max_gamma, context_len, self.kind)
+
+    def update(self, step) -> None:
+        if step.source != "model":
+            return
+        tried = step.accepted + (1 if step.accepted < len(step.drafted) else 0)
+        self.hits = self.decay * self.hits + step.accepted
+        self.trials = self.decay * self.trials + tried
+
+
 # --- the auto policy ------------------------------------------------------------------------------
 class Auto(Strategy):
-    """Wraps a strategy; decodes autoregressively when the latency model predicts a loss."""
+    """Wraps a strategy; decodes autoregressively whenever the latency model predicts a loss.
+
+    Before the first step it predicts with the calibration's acceptance for the inner strategy's set;
+    then with the acceptance measured in this run (its `length` controller). While the prediction is
+    below 1× it decodes autoregressively, trying one speculative step every `probe_every` steps so the
+    estimate can recover.
+    """
 
     def __init__(self, inner: Strategy, latency: LatencyModel, acceptance: dict[str, float],
-                 gamma: int, default_acceptance: float = 0.5):
+                 gamma: int, default_acceptance: float = 0.5, kind: str = "fp32", probe_every: int = 8):
         self.inner, self.latency, self.acceptance = inner, latency, acceptance
         self.gamma, self.default_acceptance = gamma, default_acceptance
+        self.kind, self.probe_every = kind, probe_every
         self.name = "auto"
         self.fallback_note = ""
+        self.length = AdaptiveLength(latency, kind)
+        self._ar_run = 0
 
     def start(self, backbone, prompt, embedding) -> dict:
         info = dict(self.inner.start(backbone, prompt, embedding))
         probe = self.inner.choose(_Probe(len(prompt)))
         skip = probe.skip
+        self._ar_run = 0
         if skip is None:
             info["auto"] = {"speculate": False, "reason": "inner strategy is autoregressive"}
             self.fallback_note = "auto: autoregressive"
             return info
         acc = self.acceptance.get(skip.name, self.default_acceptance)
-        pred = self.latency.expected_speedup(skip, acc, self.gamma, len(prompt))
-        speculate = pred >= 1.0
-        self.fallback_note = "" if speculate else (
-            f"auto: predicted {pred:.2f}× < 1 at acceptance {acc:.2f} → autoregressive")
-        info["auto"] = {"speculate": speculate, "predicted_speedup": pred, "acceptance": acc,
-                        "skip": skip.name}
+        self.length = AdaptiveLength(self.latency, self.kind, prior=acc)
+        gamma = self.latency.best_gamma(skip, acc, self.gamma, len(prompt), self.kind)
+        pred = self.latency.expected_speedup(skip, acc, gamma, len(prompt), self.kind)
+        self.fallback_note = ""
+        info["auto"] = {"speculate": pred >= 1.0, "predicted_speedup": pred, "acceptance": acc,
+                        "gamma": gamma, "skip": skip.name, "draft": self.kind}
         return info
 
     def choose(self, state) -> Decision:
         if self.fallback_note:
             return Decision(None, note=self.fallback_note)
-        return self.inner.choose(state)
+        decision = self.inner.choose(state)
+        if decision.skip is None:
+            return decision
+        acc = self.length.acceptance
+        ctx = state.cache.length if state.cache is not None else 256
+        gamma = self.length.gamma(decision.skip, ctx, self.gamma)
+        pred = self.latency.expected_speedup(decision.skip, acc, gamma, ctx, self.kind)
+        if pred < 1.0:
+            self._ar_run += 1
+            if self._ar_run % self.probe_every:
+                return Decision(None, note=f"auto: predicted {pred:.2f}× at acceptance {acc:.2f} → "
+                                           "autoregressive")
+        else:
+            self._ar_run = 0
+        return decision
 
     def update(self, step) -> None:
         self.inner.update(step)

@@ -76,7 +76,7 @@ def _prefix_kv(backbone: Backbone, seq, start: int) -> tuple[torch.Tensor, torch
     return cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()
 
 
-def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None) -> torch.Tensor:
+def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, draft=None) -> torch.Tensor:
     """The draft's argmax for each continuation token seq[start:], in one parallel pass.
 
     As in real self-speculation the draft attends to the full model's KV of the context (the
@@ -90,9 +90,10 @@ def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None) -
     cache = backbone.new_cache(len(seq) - 1)
     cache.k[:, :, :n], cache.v[:, :, :n] = kv
     cache.length = n
-    hidden = backbone.forward(seq[n:-1], cache, skip, logits="none")
+    hidden = backbone.forward(seq[n:-1], cache, skip, logits="none", draft=draft)
     with torch.inference_mode():
-        return F.linear(hidden, backbone.lm_head).argmax(-1)
+        logits = F.linear(hidden, backbone.lm_head) if draft is None else draft.head(hidden)
+        return logits.argmax(-1)
 
 
 def build_match_data(backbone: Backbone, prompts: list[str], continuation_tokens: int = 24,
@@ -131,21 +132,24 @@ def merge(datas, limit: int | None = None) -> MatchData:
     return MatchData(tuple(seqs), tuple(starts), tuple(targets), kvs)
 
 
-def _matches(backbone: Backbone, skip: SkipSet, data: MatchData) -> int:
-    return sum(int((_draft_argmax(backbone, seq, s, skip, kv) == t).sum())
+def _matches(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> int:
+    return sum(int((_draft_argmax(backbone, seq, s, skip, kv, draft) == t).sum())
                for seq, s, t, kv in data.rows())
 
 
-def matchness(backbone: Backbone, skip: SkipSet, data: MatchData) -> float:
-    """Share of continuation positions where the draft's argmax equals the full model's."""
+def matchness(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> float:
+    """Share of continuation positions where the draft's argmax equals the full model's.
+
+    draft: a draft.DraftWeights to score (quantised weights / small head); None → fp32 weights.
+    """
     skip.validate(backbone.n_layers)
-    return _matches(backbone, skip, data) / data.tokens
+    return _matches(backbone, skip, data, draft) / data.tokens
 
 
 def matchness_per_domain(backbone: Backbone, skip: SkipSet,
-                         data_by_domain: dict[str, MatchData]) -> dict[str, float]:
+                         data_by_domain: dict[str, MatchData], draft=None) -> dict[str, float]:
     """Matchness of one set on every domain (how well a set transfers: the KNN-SSD argument)."""
-    return {name: matchness(backbone, skip, data) for name, data in data_by_domain.items()}
+    return {name: matchness(backbone, skip, data, draft) for name, data in data_by_domain.items()}
 
 
 # --- search space ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ssd_core.backbone import EMPTY
 from ssd_core.decode import DecodeConfig, Start, Step, _speculative_sample, decode
+from ssd_core.draft import DRAFT_KINDS
 from ssd_core.generate import generate, stream_text, summarize
 from ssd_core.skipset import SkipSet
 from ssd_core.strategies import Autoregressive, Static
@@ -23,11 +24,18 @@ def skip_sets():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(skip=skip_sets(), gamma=st.integers(1, 7), threshold=st.sampled_from([0.0, 0.05, 0.3, 0.9]),
        prompt=st.text(alphabet="abcdefghij klmnop.,?!0123", min_size=1, max_size=40),
-       max_new=st.integers(1, 40))
-def test_greedy_speculative_equals_autoregressive(tiny, skip, gamma, threshold, prompt, max_new):
-    cfg = DecodeConfig(max_new_tokens=max_new, gamma=gamma, threshold=threshold)
+       max_new=st.integers(1, 40), draft=st.sampled_from(DRAFT_KINDS), lookup=st.booleans(),
+       small_head=st.booleans())
+def test_greedy_speculative_equals_autoregressive(tiny, skip, gamma, threshold, prompt, max_new, draft,
+                                                  lookup, small_head):
+    """The central property: any skip set, draft kind, lookup or draft head leaves the output unchanged."""
+    cfg = DecodeConfig(max_new_tokens=max_new, gamma=gamma, threshold=threshold, draft=draft, lookup=lookup)
     ar = generate(tiny, prompt, Autoregressive(), cfg)
-    spec = generate(tiny, prompt, Static(skip), cfg)
+    tiny.set_draft_head(range(0, tiny.vocab, 3) if small_head else None)
+    try:
+        spec = generate(tiny, prompt, Static(skip), cfg)
+    finally:
+        tiny.set_draft_head(None)
     assert spec.token_ids == ar.token_ids
     assert len(spec.token_ids) <= max_new
 
@@ -41,7 +49,7 @@ def test_speculation_really_rejects_and_accepts(tiny):
 
 
 def test_empty_skip_set_accepts_every_draft(tiny):
-    g = generate(tiny, "abc", Static(SkipSet()), max_new_tokens=41, gamma=4)
+    g = generate(tiny, "abc", Static(SkipSet()), max_new_tokens=41, gamma=4, draft="fp32", lookup=False)
     assert g.stats.alpha == 1.0
     assert g.stats.tau == pytest.approx(5.0)
 

@@ -52,12 +52,13 @@ def set_list(domain_sets: dict, static) -> list[tuple[str, object, str]]:
 
 def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_use=None,
               in_use_name: str = "", in_use_domain: str | None = None, history=None,
-              height: int = 280, title: str | None = None) -> go.Figure:
+              height: int = 280, title: str | None = None, draft: str = "") -> go.Figure:
     """The Generate tab's layer map: the set drafting now above every domain's set.
 
     in_use: the SkipSet drafting now (None: autoregressive — nothing skipped, nothing drafted).
     history: [(step, SkipSet)] of the sets used; if the set changed during the run (KnapSpec) the
     map shows the set in use above a per-step strip instead of the domain sets.
+    draft: the draft's weights in words ("int8 draft"), named in the title.
     """
     top = []
     if in_use is not None:
@@ -86,7 +87,7 @@ def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_us
         traces = [_heatmap(rows, n_layers)[0]]
     if title is None:
         title = ("Layer map · coloured = skipped by each domain's draft" if in_use is None else
-                 f"Layer map · coloured = skipped · in use: {len(in_use.attn)} attn + {len(in_use.mlp)} MLP")
+                 f"Layer map · {draft or 'draft'}, {len(in_use.attn)} attn + {len(in_use.mlp)} MLP skipped")
     fig = go.Figure(data=traces, layout=base_layout(title, height))
     fig.update_layout(yaxis=_label_axis(labels), xaxis=_layer_axis(n_layers), margin=dict(l=8, r=8, t=44, b=8))
     if top and others:

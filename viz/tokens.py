@@ -23,6 +23,7 @@ class Token:
     step: int | None          # 1-based verification step; None = the prefill's token
     tip: str
     eos: bool = False
+    lookup: bool = False      # a draft copied from earlier text (prompt lookup), not made by the model
 
 
 def escape(text: str) -> str:
@@ -56,11 +57,14 @@ def step_tokens(step, token_str: TokenStr, eos_ids=frozenset()) -> list[Token]:
     out: list[Token] = []
     committed = step.committed
     shown_accepted = min(step.accepted, len(committed))
+    lookup = getattr(step, "source", "") == "lookup"
+    who = "lookup draft (copied from earlier text)" if lookup else "draft"
     for i in range(shown_accepted):
         t = step.drafted[i]
+        p = "" if lookup else f" · draft p = {step.draft_probs[i]:.2f}"
         out.append(Token(token_str(t), "accepted", n,
-                         f"step {n} · accepted draft {i + 1}/{len(step.drafted)} · "
-                         f"draft p = {step.draft_probs[i]:.2f} · verifier agreed", t in eos_ids))
+                         f"step {n} · accepted {who} {i + 1}/{len(step.drafted)}{p} · verifier agreed",
+                         t in eos_ids, lookup))
     bonus = committed[step.accepted] if len(committed) > step.accepted else None
     for j, t in enumerate(step.rejected):
         i = step.accepted + j
@@ -69,9 +73,10 @@ def step_tokens(step, token_str: TokenStr, eos_ids=frozenset()) -> list[Token]:
                        else "cut at end of text")
         else:
             verdict = "discarded after the first mismatch"
+        p = "" if lookup else f" · draft p = {step.draft_probs[i]:.2f}"
         out.append(Token(token_str(t), "rejected", n,
-                         f"step {n} · rejected draft {i + 1}/{len(step.drafted)} · "
-                         f"draft p = {step.draft_probs[i]:.2f} · {verdict}", t in eos_ids))
+                         f"step {n} · rejected {who} {i + 1}/{len(step.drafted)}{p} · {verdict}",
+                         t in eos_ids, lookup))
     if bonus is not None:
         if not step.speculative:
             tip = f"step {n} · verifier token · autoregressive step (no drafts)"
@@ -88,9 +93,11 @@ def step_tokens(step, token_str: TokenStr, eos_ids=frozenset()) -> list[Token]:
 
 def token_html(tok: Token) -> str:
     cls = {"accepted": "acc", "rejected": "rej", "verifier": "ver"}[tok.kind]
+    cls += " eos" if tok.eos else ""
+    cls += " look" if tok.lookup else ""
     text = "⟨end⟩" if tok.eos else _shown(tok.text, tok.kind)
     tip = escape(tok.tip)
-    return (f'<span class="tok {cls}{" eos" if tok.eos else ""}" data-step="{tok.step or 0}" '
+    return (f'<span class="tok {cls}" data-step="{tok.step or 0}" '
             f'data-tip="{tip}" aria-label="{escape(tok.text)} — {tip}">{escape(text)}</span>')
 
 
@@ -112,5 +119,7 @@ def legend_html() -> str:
         sample = {"accepted": "drafted", "rejected": "thrown", "verifier": "checked"}[k.name]
         items.append(f'<span class="legend-item"><span class="tok {cls}">{sample}</span> '
                      f'{escape(k.label)}<span class="legend-mark"> ({escape(k.mark)})</span></span>')
+    items.append('<span class="legend-item"><span class="tok acc look">copied</span> '
+                 'prompt-lookup draft<span class="legend-mark"> (dashed frame)</span></span>')
     return ('<div class="legend" aria-label="token colours">' + "".join(items)
             + "</div>")
