@@ -25,7 +25,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from .backbone import Backbone
 from .calibration import STRATEGIES, default_folder
 from .decode import DecodeConfig
+from .draft import DRAFT_KINDS
 from .generate import generate
 from .latency import expected_tokens
 from .strategies import ORACLE_CATEGORY_DOMAIN
@@ -56,15 +57,19 @@ DEFINITIONS = {
     "alpha": "acceptance rate: accepted draft tokens ÷ drafted tokens, pooled over the group "
              "(0 when nothing was drafted)",
     "tau_iid_from_alpha": "(1 − α^(γ+1)) / (1 − α): the τ an i.i.d. acceptance α would give",
-    "predicted_speedup_measured_alpha": "the calibration's latency model, "
-                                        "expected_speedup(skip, α, γ, context), per prompt with the α "
-                                        "measured on that prompt in this run, the skip set used for most "
-                                        "of its steps and its mean context length; combined over a group "
-                                        "as Σ tokens ÷ Σ (tokens ÷ prediction), like tokens_per_s",
-    "predicted_speedup_calibration_alpha": "the same prediction with the acceptance the calibration "
-                                           "expects for that skip set (held-out matchness on its own "
-                                           "domain; static: mean over domains; knapspec: its own "
-                                           "exp(−κ·loss) estimate) instead of the measured α",
+    "predicted_speedup_measured_alpha": "the calibration's latency model applied to the steps that "
+                                        "happened: Σ tokens ÷ Σ step costs, a step costing (model drafts)·"
+                                        "c(skip, context, draft kind) + v(drafted + 1) full steps (lookup "
+                                        "drafts cost no forward); per prompt, combined over a group as "
+                                        "Σ tokens ÷ Σ (tokens ÷ prediction), like tokens_per_s. Against "
+                                        "the measured speedup it tests the cost model alone",
+    "predicted_speedup_calibration_alpha": "expected_speedup(skip, α, γ*, context, draft kind) with the "
+                                           "acceptance the calibration expects for the set used most "
+                                           "(held-out matchness on its own domain with this draft kind; "
+                                           "static: mean over domains; knapspec: its own estimate) and the "
+                                           "best γ* ≤ γ for it: what was expected before the run",
+    "lookup_steps": "verification steps whose drafts came from prompt lookup (copied from earlier text)",
+    "lookup_accepted": "tokens accepted from prompt-lookup drafts",
     "ar_bandwidth_gb_s": "bytes of weights one full decode step reads (backbone.weight_bytes(), "
                          "lm_head included, KV cache not) × ar tokens_per_s ÷ 1e9",
     "lossless": "every strategy's greedy token ids and text identical to ar's on every prompt, and ar's "
@@ -204,7 +209,29 @@ def _round(x, digits: int = 4):
 
 
 # --- one run of one strategy on one prompt ------------------------------------------------------------
-def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: int) -> dict:
+def predicted_from_steps(latency, steps, kind: str = "fp32") -> float | None:
+    """The latency model's speedup for exactly these steps: Σ tokens ÷ Σ step costs in full steps.
+
+    A step costs (model drafts)·c(skip, context, kind) + v(drafted + 1); a lookup draft costs no
+    forward, an autoregressive step is v(1) = 1. Compared with the measured speedup it checks the
+    cost model alone (the acceptance is the one that happened).
+    """
+    if not steps:
+        return None
+    cost = tokens = 0.0
+    for s in steps:
+        model_drafts = len(s.drafted) if s.source == "model" else 0
+        if model_drafts and latency.knows(kind):
+            cost += model_drafts * latency.draft_cost(s.skip, s.context_len, kind)
+        elif model_drafts:
+            cost += model_drafts * latency.draft_cost(s.skip, s.context_len)
+        cost += latency.verify_cost(len(s.drafted) + 1)
+        tokens += len(s.committed)
+    return tokens / cost if cost else None
+
+
+def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: int,
+            kind: str = "fp32") -> dict:
     """Everything the summary and the answer file need from one Generation."""
     st = gen.stats
     spec_steps = [s for s in gen.steps if s.skip is not None]
@@ -212,18 +239,22 @@ def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: i
     if spec_steps:
         skip = Counter(s.skip for s in spec_steps).most_common(1)[0][0]
     ctx = (sum(s.context_len for s in gen.steps) / len(gen.steps)) if gen.steps else len(prompt_ids)
-    alpha = st.accepted / st.drafted if st.drafted else 0.0
     pred_measured = pred_calib = 1.0
     calib_acc = None
     if skip is not None:
         lat = calibration.latency
-        pred_measured = lat.expected_speedup(skip, alpha, gamma, int(ctx))
-        calib_acc = calibration.acceptance().get(skip.name)
+        pred_measured = predicted_from_steps(lat, gen.steps, kind)
+        calib_acc = calibration.acceptance(kind).get(skip.name)
         if calib_acc is None:          # knapspec: its own exp(−κ·loss) estimate for that set
             for h in getattr(strategy, "history", []):
                 if h["skip"]["attn"] == sorted(skip.attn) and h["skip"]["mlp"] == sorted(skip.mlp):
                     calib_acc = h["acceptance"]
-        pred_calib = lat.expected_speedup(skip, calib_acc, gamma, int(ctx)) if calib_acc is not None else None
+        if calib_acc is not None:
+            k = kind if lat.knows(kind) else "fp32"
+            g = lat.best_gamma(skip, calib_acc, gamma, int(ctx), k)
+            pred_calib = lat.expected_speedup(skip, calib_acc, g, int(ctx), k)
+        else:
+            pred_calib = None
     info = gen.start.info or {}
     return {
         "question_id": question.question_id, "category": question.category,
@@ -231,6 +262,8 @@ def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: i
         "new_tokens": st.new_tokens, "wall_s": st.wall_s, "prefill_s": st.prefill_s,
         "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
         "accept_lengths": list(st.accept_lengths), "prompt_tokens": len(prompt_ids),
+        "lookup_steps": sum(1 for s in gen.steps if s.source == "lookup"),
+        "lookup_accepted": sum(s.accepted for s in gen.steps if s.source == "lookup"),
         "domain": info.get("domain"), "skip": skip.to_dict() if skip is not None else None,
         "context_len": ctx, "calibration_acceptance": calib_acc,
         "predicted_speedup_measured_alpha": pred_measured,
@@ -317,13 +350,18 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
               "oracle", "knapspec"), max_new_tokens: int = 64, gamma: int | None = None,
               max_prompt_tokens: int | None = None, mix_ratio: float = 0.0, seed: int = 0,
               hf_generate_every: int = 1, warmup: bool = True, progress: bool = True,
-              settings: dict | None = None) -> BenchRun:
-    """Run every strategy on every question, interleaved per prompt; return the summary and answers."""
+              settings: dict | None = None, draft: str = "int8", lookup: bool = True,
+              adaptive: bool = True) -> BenchRun:
+    """Run every strategy on every question, interleaved per prompt; return the summary and answers.
+
+    draft / lookup: the draft's weights and prompt-lookup drafts (DecodeConfig); adaptive: the
+    latency model picks each step's draft length ≤ gamma.
+    """
     from tqdm.auto import tqdm
 
     names = parse_strategies(strategies)
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
-    cfg = DecodeConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed)
+    cfg = DecodeConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed, draft=draft, lookup=lookup)
     order = mix_order(list(questions), mix_ratio, seed)
     if not order:
         raise ValueError("no questions to run")
@@ -338,12 +376,13 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
                              f"{backbone.max_positions}; lower --max-prompt-tokens")
 
     def fresh(name: str, q: Question):
-        return calibration.strategy(name, gamma=gamma, category=q.category if name == "oracle" else None)
+        return calibration.strategy(name, gamma=gamma, category=q.category if name == "oracle" else None,
+                                    draft=draft, adaptive=adaptive)
 
     hf_every = int(hf_generate_every or 0)
     if warmup:                                         # first prompt, every path, not recorded
         q = order[0]
-        wcfg = DecodeConfig(max_new_tokens=min(16, max_new_tokens), gamma=gamma, seed=seed)
+        wcfg = replace(cfg, max_new_tokens=min(16, max_new_tokens))
         for name in names:
             generate(backbone, encoded[id(q)], fresh(name, q), wcfg)
         if hf_every:
@@ -363,7 +402,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
             bar.set_postfix_str(f"q{q.question_id} {q.category} {name}")
             strat = fresh(name, q)
             gen = generate(backbone, ids, strat, cfg)
-            rec = _record(gen, strat, q, ids, calibration, gamma)
+            rec = _record(gen, strat, q, ids, calibration, gamma, draft)
             rec["truncated"] = ids.truncated
             records[name].append(rec)
             if run_hf:
@@ -405,7 +444,10 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     summary["settings"] = {"strategies": names, "max_new_tokens": max_new_tokens, "gamma": gamma,
                            "max_prompt_tokens": max_prompt_tokens, "mix_ratio": mix_ratio, "seed": seed,
                            "hf_generate_every": hf_every, "warmup": warmup, "stop_at_eos": True,
-                           "greedy": True, **(settings or {})}
+                           "greedy": True, "draft": draft, "lookup": lookup, "adaptive_gamma": adaptive,
+                           "draft_label": (backbone.draft_weights(draft).label
+                                           if backbone.draft_weights(draft) is not None else "fp32 draft"),
+                           **(settings or {})}
     answers = {n: [_answer(backbone, r) for r in records[n]] for n in names}
     return BenchRun(summary, answers)
 
@@ -443,6 +485,8 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
         s["accept_length_histogram"] = {str(k): v for k, v in
                                         sorted(Counter(n for r in recs for n in r["accept_lengths"]).items())}
         s["skip_sets"] = dict(Counter((r["skip"] or {}).get("name", "none") for r in recs))
+        s["lookup_steps"] = sum(r.get("lookup_steps", 0) for r in recs)
+        s["lookup_accepted"] = sum(r.get("lookup_accepted", 0) for r in recs)
         s["per_category"] = {c: _group_stats([r for r in recs if r["category"] == c],
                                              [r for r in ar if r["category"] == c], gamma) for c in cats}
         strategies[name] = s
@@ -557,6 +601,11 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--calibration", default=None, help="calibration folder (default: assets/calibration/<slug>)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--draft", default="int8", choices=DRAFT_KINDS,
+                    help="draft weights: int8 (quantised copy, the default) or fp32 (layer skipping only)")
+    ap.add_argument("--no-lookup", action="store_true", help="no prompt-lookup drafts")
+    ap.add_argument("--fixed-gamma", action="store_true",
+                    help="always draft --gamma tokens (default: the latency model picks ≤ gamma per step)")
     ap.add_argument("--no-figures", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", required=True, help="output folder")
@@ -578,7 +627,8 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     run = run_bench(bb, cal, questions, names, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                     max_prompt_tokens=args.max_prompt_tokens, mix_ratio=args.mix_ratio, seed=args.seed,
                     hf_generate_every=args.hf_generate_every, warmup=not args.no_warmup,
-                    progress=not args.no_progress, settings=settings)
+                    progress=not args.no_progress, settings=settings, draft=args.draft,
+                    lookup=not args.no_lookup, adaptive=not args.fixed_gamma)
     written = write_outputs(run, args.out, figures=not args.no_figures)
     print(written["table"] or plain_table(run.summary))
     print(f"\nwrote {args.out}/summary.json and {len(run.answers)} answer files")

@@ -319,3 +319,18 @@ def test_hf_reference_stops_where_the_core_stops(tiny):
     eos = next(iter(tiny.eos_ids))
     assert bench.cut_at_eos([5, 6, eos, eos, eos], tiny.eos_ids) == (5, 6, eos)
     assert bench.cut_at_eos([5, 6], tiny.eos_ids) == (5, 6)
+
+
+def test_draft_kind_and_lookup_are_settings_of_the_run(tiny, tiny_calibration, question_file, tmp_path):
+    runs = {}
+    for name, extra in {"int8": (), "fp32": ("--draft", "fp32", "--no-lookup", "--fixed-gamma")}.items():
+        assert _main(tiny, tiny_calibration, question_file, tmp_path / name, "--strategies", "ar,static",
+                     "--hf-generate-every", "0", *extra) == 0
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    a, b = runs["int8"]["settings"], runs["fp32"]["settings"]
+    assert (a["draft"], a["lookup"], a["adaptive_gamma"]) == ("int8", True, True)
+    assert (b["draft"], b["lookup"], b["adaptive_gamma"]) == ("fp32", False, False)
+    assert runs["fp32"]["strategies"]["static"]["lookup_steps"] == 0
+    for run in runs.values():
+        assert run["lossless"] is True
+        assert run["strategies"]["static"]["predicted_speedup_measured_alpha"] > 0

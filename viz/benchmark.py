@@ -27,9 +27,15 @@ def summary_html(summary: dict | None, source: str = "") -> str:
                     f'<td class="{cls}">{_num(sp, "{:.2f}", "×")}</td><td>{_num(s.get("tau"))}</td>'
                     f"<td>{_num(s.get('alpha'))}</td></tr>")
     lossless = summary.get("lossless")
-    badge = ('<span class="good">✓ every strategy\'s greedy text identical to autoregressive</span>'
-             if lossless else '<span class="bad">✗ some outputs differ from autoregressive</span>'
+    hf = summary.get("lossless_vs_hf")
+    badge = (('<span class="good">✓ every strategy\'s greedy text identical to autoregressive'
+              + (" and to transformers' generate" if hf else "") + "</span>")
+             if lossless else '<span class="bad">✗ some outputs differ from autoregressive or from '
+                              "transformers' generate</span>"
              if lossless is not None else "")
+    draft = summary.get("settings", {}).get("draft_label")
+    if draft:
+        badge += f' · <span class="muted">{escape(draft)}{" + prompt lookup" if summary["settings"].get("lookup") else ""}</span>'
     head = (f'<div class="bench-head">model <b>{escape(str(summary.get("model", "?")))}</b> · {badge}'
             + (f' · <span class="muted">{escape(source)}</span>' if source else "") + "</div>")
     table = ('<table class="bench-table"><tr><th>strategy</th><th>tokens/s</th><th>speedup vs AR</th>'
