@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from . import calibration as cal_io
 from .backbone import Backbone, load_backbone
 from .domains import DOMAIN_DIR, DOMAINS, domains_hash, load_prompts, split
+from .draft import DRAFT_KINDS
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .knapspec import fit_kappa, prompt_similarity
 from .latency import fit_report, profile
@@ -112,7 +113,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               max_prompt_tokens: int = 256, domain_dir: Path = DOMAIN_DIR, seed: int = 0,
               backbone: Backbone | None = None, profile_kw: dict | None = None,
               umap: bool = True, progress: bool = True,
-              min_skip_ratio: float = 0.2) -> cal_io.Calibration:
+              min_skip_ratio: float = 0.1, draft: str = "int8") -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
 
     Unconstrained, the search on a 2-core CPU settles on 1–2 skipped sublayers (verification is
@@ -144,7 +145,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
     results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
-                                 progress=progress, min_skipped=min_skipped)
+                                 progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft))
     timings["search_s"] = time.perf_counter() - t
     domain_sets = {d: r.skip for d, r in results.items()}
 
@@ -199,7 +200,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
         "settings": {"budget": budget, "gamma": gamma, "prompts_per_domain": prompts_per_domain,
                      "held_out_per_domain": held_out_per_domain,
                      "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
-                     "seed": seed, "min_skip_ratio": min_skip_ratio, "min_skipped": min_skipped},
+                     "seed": seed, "min_skip_ratio": min_skip_ratio, "min_skipped": min_skipped,
+                     "search_draft": draft},
         "timings": {k: round(v, 1) for k, v in timings.items()},
         "latency_fit": fit_report(latency),
         "search": {name: {"matchness": round(r.matchness, 4), "objective": round(r.objective, 4),
@@ -228,8 +230,10 @@ def main(argv=None):
     ap.add_argument("--continuation-tokens", type=int, default=24)
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-skip-ratio", type=float, default=0.2,
+    ap.add_argument("--min-skip-ratio", type=float, default=0.1,
                     help="least share of sublayers every searched set skips (0: unconstrained)")
+    ap.add_argument("--draft", default="int8", choices=DRAFT_KINDS,
+                    help="draft weights the sets are searched for (matchness and costs of that kind)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reprofile", action="store_true",
                     help="only re-measure the latency model and the draft calibration (small head, "
@@ -246,7 +250,8 @@ def main(argv=None):
     cal = calibrate(args.model, out, budget=args.budget, gamma=args.gamma,
                     prompts_per_domain=args.prompts_per_domain, held_out_per_domain=args.held_out_per_domain,
                     continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                    seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio)
+                    seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
+                    draft=args.draft)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "matchness": cal.matchness}, indent=1))
 

@@ -256,18 +256,20 @@ class SearchResult:
 class _Scorer:
     """Objective of a candidate, memoised: TPE re-proposes sets and a forward pass is the cost."""
 
-    def __init__(self, backbone, data, latency, gamma, context_len, min_skipped):
+    def __init__(self, backbone, data, latency, gamma, context_len, min_skipped, draft=None, kind="fp32"):
         self.backbone, self.data, self.latency = backbone, data, latency
         self.gamma, self.context_len, self.min_skipped = gamma, context_len, min_skipped
+        self.draft, self.kind = draft, kind if latency.knows(kind) else "fp32"
         self.cache: dict[tuple, float] = {}
         self.history: list[dict] = []
 
     def __call__(self, skip: SkipSet) -> float:
         key = (skip.attn, skip.mlp)
         if key not in self.cache:
-            self.cache[key] = matchness(self.backbone, skip, self.data)
+            self.cache[key] = matchness(self.backbone, skip, self.data, self.draft)
         m = self.cache[key]
-        o = self.latency.expected_speedup(skip, m, self.gamma, self.context_len)
+        g = self.latency.best_gamma(skip, m, self.gamma, self.context_len, self.kind)
+        o = self.latency.expected_speedup(skip, m, g, self.context_len, self.kind)
         feasible = len(skip) >= self.min_skipped
         self.history.append({"attn": sorted(skip.attn), "mlp": sorted(skip.mlp),
                              "matchness": m, "objective": o, "feasible": feasible})
@@ -301,8 +303,11 @@ def _distinct(candidates: list[SkipSet], budget: int, min_skipped: int) -> list[
 def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, budget: int = 120,
                     gamma: int = 4, context_len: int = 256, seed: int = 0, name: str = "",
                     initial: SkipSet | None = None, n_random: int | None = None,
-                    progress: bool = True, min_skipped: int = 1) -> SearchResult:
+                    progress: bool = True, min_skipped: int = 1, draft=None) -> SearchResult:
     """Find the skip set maximising predicted speedup on `data`.
+
+    draft: the draft.DraftWeights the sets will draft with (matchness and costs of that kind, at the
+    best draft length ≤ gamma); None → the fp32 weights.
 
     Trials: the initial set, the structured candidates, `n_random` random sets (default
     budget // 3), then TPE. budget: distinct candidates scored (each costs one matchness pass);
@@ -325,7 +330,8 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
     # the initial set goes first so the result can never be worse than it
     queue = _distinct([initial] + structured_candidates(L) + random_candidates(L, n_random, seed),
                       budget, min_skipped)
-    scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped)
+    scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped, draft,
+                     draft.kind if draft is not None else "fp32")
     study = _make_study(seed, len(queue))
     for skip in queue:
         study.enqueue_trial(_params(skip, L))
@@ -365,8 +371,8 @@ def _result(history: list[dict], name: str) -> SearchResult:
 
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
-               context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1
-               ) -> tuple[dict[str, SearchResult], SearchResult]:
+               context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1,
+               draft=None) -> tuple[dict[str, SearchResult], SearchResult]:
     """One set per domain, plus the global static ("Self-SD mix") set searched on all domains.
 
     static_per_domain: sequences each domain contributes to the static mix (None: all of them).
@@ -375,7 +381,7 @@ def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency
     if STATIC in data_by_domain:
         raise ValueError(f"{STATIC!r} is reserved for the global set; rename that domain")
     kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress,
-              min_skipped=min_skipped)
+              min_skipped=min_skipped, draft=draft)
     per_domain = {d: search_skip_set(backbone, data, latency, name=d, **kw)
                   for d, data in data_by_domain.items()}
     limit = None if static_per_domain is None else static_per_domain * len(data_by_domain)

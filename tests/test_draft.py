@@ -156,3 +156,15 @@ def test_adaptive_length_drafts_longer_when_drafts_are_accepted():
         bad.update(S(9, 9, source="lookup"))         # lookup drafts say nothing about the model draft
     assert good.acceptance > 0.95 and bad.acceptance < 0.1
     assert good.gamma(EMPTY, 100, 8) > bad.gamma(EMPTY, 100, 8) == 1
+
+
+def test_search_scores_candidates_with_the_draft_it_will_use(tiny):
+    from ssd_core.search import build_match_data, matchness, search_skip_set
+    data = build_match_data(tiny, ["the quick brown fox", "jumps over"], continuation_tokens=8, progress=False)
+    lat = _latency(int8={"attn_a": 0.3e-3, "attn_b": 0.0, "mlp": 0.5e-3, "head": 0.5e-3, "overhead": 1e-3})
+    lat = LatencyModel(**{**lat.__dict__, "n_layers": tiny.n_layers})
+    draft = tiny.draft_weights("int8")
+    r = search_skip_set(tiny, data, lat, budget=6, progress=False, draft=draft)
+    assert r.matchness == pytest.approx(matchness(tiny, r.skip, data, draft))
+    fp32 = [h["matchness"] for h in search_skip_set(tiny, data, lat, budget=6, progress=False).history]
+    assert [h["matchness"] for h in r.history] != fp32          # really another draft was scored

@@ -125,6 +125,11 @@ def test_match_data_rejects_inconsistent_rows(data):
 
 
 # --- search ------------------------------------------------------------------------------------
+def objective(lat, skip, m):
+    """What the search maximises: the predicted speedup at the best draft length γ ≤ 4."""
+    return lat.expected_speedup(skip, m, lat.best_gamma(skip, m, 4, 256), 256)
+
+
 def skipped_layers(skip: SkipSet) -> set:
     return set(skip.attn) | set(skip.mlp)
 
@@ -133,14 +138,14 @@ def worst_single_sublayer(bb, data, lat) -> SkipSet:
     """The one-sublayer draft with the lowest objective: costs nearly a full step, matches badly."""
     singles = [SkipSet({i}, set()) for i in searchable_layers(bb.n_layers)] + \
               [SkipSet(set(), {i}) for i in searchable_layers(bb.n_layers)]
-    return min(singles, key=lambda s: lat.expected_speedup(s, matchness(bb, s, data), 4, 256))
+    return min(singles, key=lambda s: objective(lat, s, matchness(bb, s, data)))
 
 
 def test_search_beats_a_poor_initial_set(tiny, data):
     lat = latency_for(tiny.n_layers)
     poor = worst_single_sublayer(tiny, data, lat)
     r = search_skip_set(tiny, data, lat, budget=25, initial=poor, progress=False)
-    assert r.initial_objective == pytest.approx(lat.expected_speedup(poor, matchness(tiny, poor, data), 4, 256))
+    assert r.initial_objective == pytest.approx(objective(lat, poor, matchness(tiny, poor, data)))
     assert r.objective > r.initial_objective
     assert r.history[0]["attn"] == sorted(poor.attn) and r.history[0]["mlp"] == sorted(poor.mlp)
     assert r.objective == max(h["objective"] for h in r.history if h["feasible"])
@@ -152,10 +157,18 @@ def test_search_at_least_matches_its_default_initial(tiny, data):
     lat = latency_for(tiny.n_layers)
     r = search_skip_set(tiny, data, lat, budget=25, progress=False, name="qa")
     init = default_initial(tiny.n_layers)
-    assert r.initial_objective == pytest.approx(lat.expected_speedup(init, matchness(tiny, init, data), 4, 256))
+    init_match = matchness(tiny, init, data)
+    assert init_match > 0                   # a real draft: the comparison below is not 0 ≥ 0
+    assert r.initial_objective == pytest.approx(objective(lat, init, init_match))
+    assert r.initial_objective > 0
+    # the initial set is scored first and the answer is the best feasible set scored, so it cannot
+    # end below the initial one (a search that returned its last or a random trial would)
+    first = r.history[0]
+    assert (first["attn"], first["mlp"], first["feasible"]) == (sorted(init.attn), sorted(init.mlp), True)
+    assert r.objective == max(h["objective"] for h in r.history if h["feasible"])
     assert r.objective >= r.initial_objective
     assert r.skip.name == "qa"
-    assert r.objective == pytest.approx(lat.expected_speedup(r.skip, r.matchness, 4, 256))
+    assert r.objective == pytest.approx(objective(lat, r.skip, r.matchness))
     assert r.matchness == matchness(tiny, r.skip, data)
 
 
