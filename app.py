@@ -274,7 +274,9 @@ def page_load(studio: "Studio", built_with, session):
     session = _session(session)
     cal = studio.calibration
     if cal is built_with:
-        return (session, *[SKIP()] * 11)
+        # the UMAP may have finished loading in the background since the layout was built
+        return (session, *[SKIP()] * 4, _map_fig(studio, None) if studio.domain_map is not None else SKIP(),
+                *[SKIP()] * 6)
     text, sets, match = domains_views(studio)
     cost, what_if_fig = _cost_view(studio, None, None)
     return (session, gr.update(visible=cal is None), SKIP(), gr.update(value="KNN-SSD" if cal else "autoregressive"),

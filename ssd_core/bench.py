@@ -338,6 +338,31 @@ def parse_strategies(text_or_list) -> list[str]:
     return ["ar"] + [n for n in names if n != "ar"]     # ar first: every ratio needs it
 
 
+def rss_mb() -> float | None:
+    """Resident memory of this process (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def draft_memory(backbone: Backbone, draft: str) -> dict:
+    """What the draft copy costs in memory: RSS before / after building it, and its own bytes."""
+    before = rss_mb()
+    weights = backbone.draft_weights(draft)
+    after = rss_mb()
+    extra = weights.extra_bytes() if weights is not None else 0
+    fp32 = backbone.weight_bytes() + backbone.embed.numel() * backbone.embed.element_size() * (
+        backbone.lm_head.data_ptr() != backbone.embed.data_ptr())
+    return {"rss_before_draft_mb": before, "rss_after_draft_mb": after,
+            "draft_bytes_mb": round(extra / 2 ** 20, 1), "model_bytes_mb": round(fp32 / 2 ** 20, 1),
+            "draft_extra_ratio": round(extra / fp32, 4)}
+
+
 def _machine() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -362,6 +387,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     names = parse_strategies(strategies)
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed, draft=draft, lookup=lookup)
+    memory = draft_memory(backbone, draft)
     order = mix_order(list(questions), mix_ratio, seed)
     if not order:
         raise ValueError("no questions to run")
@@ -439,6 +465,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     machine["load_average_at_end"] = ([round(x, 2) for x in os.getloadavg()]
                                       if hasattr(os, "getloadavg") else None)
     summary["machine"] = machine
+    summary["memory"] = memory
     summary["started"] = started
     summary["total_s"] = round(time.perf_counter() - t_run, 1)
     summary["settings"] = {"strategies": names, "max_new_tokens": max_new_tokens, "gamma": gamma,

@@ -18,10 +18,16 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
-def real_model():
-    """The embedded default model (marked tests only)."""
+def real_model(tmp_path_factory):
+    """The embedded default model (marked tests only), converted from the GGUF into an empty cache:
+    what a new machine does, so a warm cache in the developer's home cannot hide a broken conversion."""
     from ssd_core.backbone import load_backbone
-    return load_backbone(threads=2)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KNN_SSD_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+    try:
+        return load_backbone(threads=2)
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,8 @@ Measures what a visitor feels: start-up time and click → first coloured token.
 product's (≤ 30 s, ≤ 1 s) on this machine when it is not overloaded by other work; with a load
 average above the core count they are relaxed (and the measured numbers are printed either way).
 Screenshots go to $KNN_SSD_SCREENSHOT_DIR (default: out/screenshots, git-ignored).
+Without Chromium or playwright the tests skip locally, but FAIL when $CI is set: a CI run that
+silently skipped the browser would report a green build that checked nothing.
 """
 import os
 import re
@@ -25,6 +27,31 @@ PROMPT = "Translate German to English: Der Zug nach Berlin fährt um acht Uhr ab
 OTHER = "Write a SQL query that lists the names of customers who live in Paris."
 
 
+# The token palette (UI.md, viz/theme.py): text in the kind's ink (its AA-contrast shade), on the
+# kind's tint; rejected drafts struck through and verifier tokens underlined in the key colour.
+TOKEN_STYLE = {
+    "acc": {"color": "rgb(31, 122, 69)", "background": "rgb(227, 245, 234)", "line": "none"},
+    "rej": {"color": "rgb(169, 50, 38)", "background": "rgb(251, 227, 224)", "line": "line-through",
+            "line_color": "rgb(192, 57, 43)"},        # ink #a93226 on #fbe3e0, struck in #c0392b
+    "ver": {"color": "rgb(37, 89, 154)", "background": "rgb(227, 236, 248)", "line": "underline",
+            "line_color": "rgb(47, 109, 181)"},       # ink #25599a on #e3ecf8, underlined in #2f6db5
+}
+COMPUTED_STYLE_JS = """els => els.map(e => { const s = getComputedStyle(e);
+    return {text: e.innerText, color: s.color, background: s.backgroundColor,
+            line: s.textDecorationLine, line_color: s.textDecorationColor}; })"""
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _missing(what: str) -> None:
+    """Skip locally; fail in CI, where a skipped browser test would hide that nothing was checked."""
+    if _in_ci():
+        pytest.fail(f"{what} (CI={os.environ['CI']!r}: the browser tests must run, not skip)", pytrace=False)
+    pytest.skip(what)
+
+
 def _busy() -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1)
 
@@ -35,40 +62,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium)")
-    pytest.importorskip("playwright.sync_api", reason="playwright (python) is not installed")
-    port = _free_port()
-    env = {**os.environ, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONUNBUFFERED": "1"}
+def _launch(env: dict, port: int):
+    """Start `python app.py`; return (process, lines printed, seconds until "Running on")."""
     cmd = [sys.executable, "app.py"]
     if os.environ.get("KNN_SSD_TEST_CALIBRATION"):
         cmd += ["--calibration", os.environ["KNN_SSD_TEST_CALIBRATION"]]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Running on" in line:
+            return proc, lines, time.perf_counter() - t0
+        if time.perf_counter() - t0 > 240:
+            _stop(proc)
+            pytest.fail("the app did not start within 240 s:\n" + "".join(lines[-30:]))
+    pytest.fail(f"the app exited during start-up (exit code {proc.wait()}):\n" + "".join(lines[-30:]))
+
+
+def _stop(proc) -> None:
+    proc.terminate()
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "Running on" in line:
-                break
-            if time.perf_counter() - t0 > 240:
-                pytest.fail("the app did not start within 240 s:\n" + "".join(lines[-30:]))
-        else:
-            pytest.fail(f"the app exited during start-up (exit code {proc.wait()}):\n" + "".join(lines[-30:]))
-        wall = time.perf_counter() - t0
-        reported = re.search(r"start-up: ([\d.]+) s", "".join(lines))
-        yield {"url": f"http://127.0.0.1:{port}", "wall_s": wall, "log": "".join(lines),
-               "startup_s": float(reported.group(1)) if reported else wall}
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _reported(lines) -> float | None:
+    found = re.search(r"start-up \((cold|warm)[^)]*\): ([\d.]+) s", "".join(lines))
+    return float(found.group(2)) if found else None
+
+
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory):
+    """An empty HOME: the app starts as on a new machine or a rebuilt Space (no model cache)."""
+    return tmp_path_factory.mktemp("empty-home")
+
+
+@pytest.fixture(scope="module")
+def server(fresh_home):
+    if not os.path.exists(CHROMIUM):
+        _missing(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        _missing("playwright (python) is not installed: pip install -r requirements-dev.txt")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KNN_SSD_CACHE"}
+    env.update({"HOME": str(fresh_home), "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+                "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1"})
+    proc, lines, wall = _launch(env, port)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "wall_s": wall, "log": "".join(lines), "env": env,
+               "startup_s": _reported(lines) or wall}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +154,37 @@ def _first_token_after_click(page, prompt: str) -> float:
     return first
 
 
-def test_startup_is_quick_enough(server):
+def _wait_for_prompt_on_map(page, prompt: str, limit_s: float = 240) -> None:
+    """The UMAP domain map loads in the background after start-up ("domain map loading …"); a run
+    draws the prompt's star once it is ready. Only "loading" excuses a map without the star."""
+    deadline = time.perf_counter() + limit_s
+    while "your prompt" not in (text := page.inner_text("#domain-map")):
+        assert "loading" in text, f"no prompt on the domain map, and it is not loading: {text!r}"
+        assert time.perf_counter() < deadline, f"the domain map was still loading after {limit_s} s"
+        page.wait_for_timeout(5_000)
+        _first_token_after_click(page, prompt)
+
+
+def test_cold_start_up_is_quick_enough(server):
+    """From an empty HOME: the first run converts the GGUF (≤ 30 s on 2 cores when not overloaded)."""
+    assert "start-up (cold" in server["log"], server["log"][-2000:]
     limit = 90 if _busy() else 30
     print(f"\nstart-up: {server['wall_s']:.1f} s from `python app.py` to 'Running on' (the app reports "
           f"{server['startup_s']:.1f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
           f"limit {limit} s)")
     assert server["wall_s"] <= limit, server["log"][-2000:]
+
+
+def test_warm_start_up_is_quick_enough(server):
+    """A second launch in the same HOME reads the dequantised model from the cache (≤ 15 s)."""
+    port = _free_port()
+    proc, lines, wall = _launch({**server["env"], "GRADIO_SERVER_PORT": str(port)}, port)
+    _stop(proc)
+    log = "".join(lines)
+    assert "start-up (warm" in log, log[-2000:]
+    limit = 45 if _busy() else 15
+    print(f"\nwarm start-up: {wall:.1f} s (the app reports {_reported(lines)} s; limit {limit} s)")
+    assert wall <= limit, log[-2000:]
 
 
 def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
@@ -121,13 +195,23 @@ def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
     print(f"\nclick → first coloured token: {', '.join(f'{t:.2f} s' for t in firsts)} "
           f"(load average {os.getloadavg()[0]:.1f}; limit {limit} s)")
     assert min(firsts) <= limit
+    # the app runs on the committed calibration: no fallback banner, KNN routing, real drafts
+    assert "calibration: loaded from" in server["log"], server["log"][-2000:]
+    body = page.inner_text("body")
+    assert "No usable calibration" not in body and "No calibration" not in body
+    assert "routed to translation" in page.inner_text("#route"), page.inner_text("#route")
+    _wait_for_prompt_on_map(page, PROMPT)
+    # greedy KNN-SSD with γ = 4 over 96 tokens: drafts are accepted and rejected, the verifier adds its own
     kinds = {k: page.locator(f"#tokens .tok.{k}").count() for k in ("acc", "rej", "ver")}
-    assert kinds["ver"] >= 1 and sum(kinds.values()) >= 8, kinds
-    calibrated = "No calibration" not in page.inner_text("body")
-    if calibrated:
-        assert kinds["acc"] + kinds["rej"] >= 1, kinds              # something was drafted
-        assert "routed to" in page.inner_text("#route") or "unknown" in page.inner_text("#route")
-        page.wait_for_function("document.querySelector('#domain-map').innerText.includes('your prompt')")
+    assert kinds["acc"] >= 1 and kinds["rej"] >= 1 and kinds["ver"] >= 1 and sum(kinds.values()) >= 8, kinds
+    for cls, want in TOKEN_STYLE.items():
+        styles = page.eval_on_selector_all(f"#tokens .tok.{cls}", COMPUTED_STYLE_JS)
+        assert styles, cls
+        for got in styles:
+            assert got["color"] == want["color"] and got["background"] == want["background"], (cls, got)
+            assert got["line"] == want["line"], (cls, got)
+            if "line_color" in want:
+                assert got["line_color"] == want["line_color"], (cls, got)
     for plot in ("#domain-map", "#layer-map"):
         assert page.locator(f"{plot} .js-plotly-plot .main-svg").count() >= 1
     page.locator("#tokens .tok").nth(3).hover()
@@ -158,7 +242,9 @@ def test_race_and_step_through_in_the_browser(server, browser):
     page.click("#race-btn")
     page.wait_for_function("document.querySelector('#race').innerText.includes('×')", timeout=240_000)
     race = page.inner_text("#race")
-    assert "tok/s" in race and ("identical" in race or "differ" in race or "sampling" in race)
+    # greedy (the default, temperature 0): speculation must reproduce autoregressive text exactly
+    assert "tok/s" in race and "identical" in race, race
+    assert "differ" not in race and "sampling" not in race, race
     page.screenshot(path=str(_shots() / "race.png"))
     page.get_by_role("tab", name="Step through").click()
     page.click("#walk-start")

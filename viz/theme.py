@@ -112,6 +112,5 @@ def css_variables() -> str:
         lines.append(f".tok.{cls} {{ color: var(--{k.name}-ink); background: var(--{k.name}-tint); }}")
     lines.append(".tok.rej { text-decoration: line-through 2px var(--rejected-key); }")
     lines.append(".tok.ver { text-decoration: underline 2px var(--verifier-key); text-underline-offset: 3px; }")
-    lines.append(".tok.acc { box-shadow: inset 0 -1px 0 var(--accepted-tint); }")
     lines.append(".tok.look { outline: 1.5px dashed currentColor; outline-offset: -1.5px; }")
     return "\n".join(lines) + "\n"
