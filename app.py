@@ -14,9 +14,9 @@ import unicodedata
 
 T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone running `python app.py` waits
 
-# OpenMP threads that spin while waiting turn a CPU shared with anything else into a crawl (measured
-# here: 2 threads at ~500 ms per decode step vs ~55 ms when they sleep); set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left at its default (spin briefly, then sleep): on two cores of its own,
+# sleeping threads made every small matmul pay a wake-up, and the int8 draft step took 34 ms instead
+# of 16 ms. On a CPU shared with other heavy jobs, set OMP_WAIT_POLICY=PASSIVE before starting.
 # numba (UMAP) would otherwise load a second OpenMP runtime beside torch's, in a thread that runs while
 # torch decodes at start-up; its own work-queue layer is enough for placing one point at a time.
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
