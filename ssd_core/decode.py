@@ -63,7 +63,6 @@ class Decision:
     skip: SkipSet | None
     note: str = ""
     info: dict = field(default_factory=dict)
-    gamma: int | None = None      # most drafts this step (None → the config's gamma)
 
 
 @dataclass(frozen=True)
@@ -196,12 +195,11 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
         state = DecodeState(backbone, cache, tokens, generated, index, config)
         decision = strategy.choose(state)
         room = budget - generated          # tokens we may still commit
-        gamma = 0
+        gamma = 0                          # autoregressive step
         if decision.skip is not None:
-            gamma = decision.gamma or config.gamma
-            if strategy.length is not None:
-                gamma = strategy.length.gamma(decision.skip, cache.length, config.gamma)
-            gamma = max(0, min(gamma, config.gamma, room - 1))
+            gamma = (config.gamma if strategy.length is None else
+                     strategy.length.gamma(decision.skip, cache.length, config.gamma))
+            gamma = max(0, min(gamma, room - 1))
         # a lookup draft costs nothing to make: propose as many as the config allows
         proposal = lookup.propose(min(config.gamma, room - 1)) if lookup is not None and gamma else ()
         step = _step(backbone, cache, tokens[-1], decision, config, gen, gamma, proposal,
