@@ -789,8 +789,9 @@ def header_html(studio: Studio) -> str:
     return ('<div class="app-header"><div class="app-title"><b>KNN-SSD Studio</b> · self-speculative decoding, '
             f'visualised</div><div class="app-model">model: <b>{vtok.escape(d["model"])}</b> · {d["n_layers"]} '
             f'layers · {d["params_m"]}M parameters · CPU</div><div class="app-explainer">The model drafts a few '
-            "tokens with some of its layers skipped, then checks itself in one pass of the full model — the "
-            "text stays exactly what plain decoding would write.</div></div>")
+            "tokens with an int8 copy of itself (some layers skipped) or copies them from earlier text, then "
+            "checks them in one pass of the full model — the text stays exactly what plain decoding would "
+            "write.</div></div>")
 
 
 ABOUT = """
@@ -818,7 +819,9 @@ make run    # installs everything, then serves this app on the embedded SmolLM2-
 make test   # installs everything (incl. Debian's chromium), then runs the tests
 ```
 Every speed shown is measured in this process against the core's own autoregressive loop, on the same
-prompt; on a 135M model on a CPU that is often *below* 1× — the **Why (not) faster?** tab explains why.
+prompt. On a 135M model on a CPU, layer skipping alone stays *below* 1×; the default draft reads an
+int8 copy of the same weights (the verifier stays fp32, so the text is unchanged) and tries prompt
+lookup first, which is what makes it win here — the **Why (not) faster?** tab explains the numbers.
 """
 
 

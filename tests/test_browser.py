@@ -112,10 +112,16 @@ def server(fresh_home):
     env.update({"HOME": str(fresh_home), "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
                 "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1"})
+    # first a cold start (converts the GGUF into the empty HOME), stopped at once so that its background
+    # UMAP import does not compete with the second, warm start, which then serves the tests
+    proc, cold_lines, cold = _launch(env, port)
+    _stop(proc)
+    port = _free_port()
+    env["GRADIO_SERVER_PORT"] = str(port)
     proc, lines, wall = _launch(env, port)
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "wall_s": wall, "log": "".join(lines), "env": env,
-               "startup_s": _reported(lines) or wall}
+        yield {"url": f"http://127.0.0.1:{port}", "cold_s": cold, "cold_log": "".join(cold_lines),
+               "wall_s": wall, "log": "".join(lines), "startup_s": _reported(lines) or wall}
     finally:
         _stop(proc)
 
@@ -167,24 +173,22 @@ def _wait_for_prompt_on_map(page, prompt: str, limit_s: float = 240) -> None:
 
 def test_cold_start_up_is_quick_enough(server):
     """From an empty HOME: the first run converts the GGUF (≤ 30 s on 2 cores when not overloaded)."""
-    assert "start-up (cold" in server["log"], server["log"][-2000:]
+    log = server["cold_log"]
+    assert "start-up (cold" in log, log[-2000:]
     limit = 90 if _busy() else 30
-    print(f"\nstart-up: {server['wall_s']:.1f} s from `python app.py` to 'Running on' (the app reports "
-          f"{server['startup_s']:.1f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          f"limit {limit} s)")
-    assert server["wall_s"] <= limit, server["log"][-2000:]
+    print(f"\ncold start-up: {server['cold_s']:.1f} s from `python app.py` to 'Running on' (the app reports "
+          f"{_reported(server['cold_log'])} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+          f"cores; limit {limit} s)")
+    assert server["cold_s"] <= limit, log[-2000:]
 
 
 def test_warm_start_up_is_quick_enough(server):
-    """A second launch in the same HOME reads the dequantised model from the cache (≤ 15 s)."""
-    port = _free_port()
-    proc, lines, wall = _launch({**server["env"], "GRADIO_SERVER_PORT": str(port)}, port)
-    _stop(proc)
-    log = "".join(lines)
+    """The second launch in the same HOME reads the dequantised model from the cache (≤ 15 s)."""
+    log = server["log"]
     assert "start-up (warm" in log, log[-2000:]
     limit = 45 if _busy() else 15
-    print(f"\nwarm start-up: {wall:.1f} s (the app reports {_reported(lines)} s; limit {limit} s)")
-    assert wall <= limit, log[-2000:]
+    print(f"\nwarm start-up: {server['wall_s']:.1f} s (the app reports {server['startup_s']} s; limit {limit} s)")
+    assert server["wall_s"] <= limit, log[-2000:]
 
 
 def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
