@@ -220,11 +220,8 @@ def predicted_from_steps(latency, steps, kind: str = "fp32") -> float | None:
         return None
     cost = tokens = 0.0
     for s in steps:
-        model_drafts = len(s.drafted) if s.source == "model" else 0
-        if model_drafts and latency.knows(kind):
-            cost += model_drafts * latency.draft_cost(s.skip, s.context_len, kind)
-        elif model_drafts:
-            cost += model_drafts * latency.draft_cost(s.skip, s.context_len)
+        if s.source == "model":      # a kind the profile lacks is priced as fp32 (LatencyModel._costs)
+            cost += len(s.drafted) * latency.draft_cost(s.skip, s.context_len, kind)
         cost += latency.verify_cost(len(s.drafted) + 1)
         tokens += len(s.committed)
     return tokens / cost if cost else None
@@ -250,9 +247,8 @@ def _record(gen, strategy, question: Question, prompt_ids, calibration, gamma: i
                 if h["skip"]["attn"] == sorted(skip.attn) and h["skip"]["mlp"] == sorted(skip.mlp):
                     calib_acc = h["acceptance"]
         if calib_acc is not None:
-            k = kind if lat.knows(kind) else "fp32"
-            g = lat.best_gamma(skip, calib_acc, gamma, int(ctx), k)
-            pred_calib = lat.expected_speedup(skip, calib_acc, g, int(ctx), k)
+            g = lat.best_gamma(skip, calib_acc, gamma, int(ctx), kind)
+            pred_calib = lat.expected_speedup(skip, calib_acc, g, int(ctx), kind)
         else:
             pred_calib = None
     info = gen.start.info or {}

@@ -46,6 +46,7 @@ class LatencyModel:
         return self.attn_a + self.attn_b * context_len
 
     def _costs(self, kind: str) -> dict:
+        """Sublayer costs of a draft kind; a kind the profile lacks (older calibrations) costs as fp32."""
         return self.drafts.get(kind) or {"attn_a": self.attn_a, "attn_b": self.attn_b, "mlp": self.mlp,
                                          "head": self.head, "overhead": self.overhead}
 

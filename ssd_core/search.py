@@ -259,7 +259,7 @@ class _Scorer:
     def __init__(self, backbone, data, latency, gamma, context_len, min_skipped, draft=None, kind="fp32"):
         self.backbone, self.data, self.latency = backbone, data, latency
         self.gamma, self.context_len, self.min_skipped = gamma, context_len, min_skipped
-        self.draft, self.kind = draft, kind if latency.knows(kind) else "fp32"
+        self.draft, self.kind = draft, kind
         self.cache: dict[tuple, float] = {}
         self.history: list[dict] = []
 
