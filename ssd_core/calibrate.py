@@ -4,8 +4,11 @@
 
 Steps (each with a progress bar): small draft head → latency profile (fp32 and each draft kind) →
 teacher-forcing data →
-per-domain + static skip-set search → held-out matchness matrix (and per draft kind) → prompt
-embeddings (two poolings compared) → KNN router + threshold → KnapSpec κ → UMAP.
+per-domain + static skip-set search (mode "speed" or KNN-SSD's "matchness" at a fixed skip ratio;
+resumable) → held-out matchness matrix → the domain check (a domain set that does not beat the
+static set on its own held-out prompts by `--check-margin` is replaced by the static set, loudly) →
+acceptance per draft kind → prompt embeddings (two poolings compared) → KNN router + threshold →
+routing on assets/routing_check/ (prompts written after the anchors) → KnapSpec κ → UMAP.
 """
 from __future__ import annotations
 
@@ -29,7 +32,11 @@ from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .knapspec import fit_kappa, prompt_similarity
 from .latency import fit_report, profile
 from .router import Router, suggest_threshold
-from .search import build_match_data, matchness_per_domain, search_all
+from .search import SEARCH_MODES, build_match_data, matchness_per_domain, ratio_count, search_all
+from .search_memo import SearchMemo, fingerprint
+
+ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
+MEMO_NAME = ".search_memo.json"
 
 log = logging.getLogger("ssd_core.calibrate")
 
@@ -58,6 +65,37 @@ def _kappa_points(bb, results, prompts_by_domain, max_prompt_tokens) -> list[tup
             loss = sum(1 - attn[i] for i in h["attn"]) + sum(1 - mlp[i] for i in h["mlp"])
             points.append((float(loss), float(h["matchness"])))
     return points
+
+
+def check_domain_sets(matrix: dict, domain_sets: dict, margin: float) -> dict:
+    """Does each domain's set beat the static set on the domain's own held-out prompts by `margin`?
+
+    matrix: set name → domain → held-out matchness (with a "static" row). Returns, per domain, own
+    (its set on its prompts), static (the static set on them), other (its set on the other
+    domains, mean), gain = own - static and passed.
+    """
+    out = {}
+    for d in domain_sets:
+        own, base = matrix[d][d], matrix["static"][d]
+        others = [v for k, v in matrix[d].items() if k != d]
+        out[d] = {"own": round(own, 4), "static": round(base, 4),
+                  "other": round(float(np.mean(others)), 4) if others else None,
+                  "gain": round(own - base, 4), "passed": bool(own >= base + margin)}
+    return out
+
+
+def routing_check(router: Router, bb: Backbone, max_prompt_tokens: int, folder: Path = ROUTING_CHECK_DIR,
+                  progress: bool = True) -> dict | None:
+    """Routing accuracy (and the routes taken) on prompts written after the anchors were fixed."""
+    if not all((Path(folder) / f"{d}.jsonl").exists() for d in router.domain_sets):
+        return None
+    prompts = load_prompts(folder, tuple(router.domain_sets))
+    emb = {d: embed_prompts(bb, ps, max_prompt_tokens, f"routing check {d}", progress)[0]
+           for d, ps in prompts.items()}
+    routed = {d: [router.route(e).domain or "unknown" for e in vecs] for d, vecs in emb.items()}
+    return {"accuracy": {k: round(v, 4) for k, v in router.accuracy(emb).items()},
+            "routed_to": {d: {k: r.count(k) for k in sorted(set(r))} for d, r in routed.items()},
+            "prompts": sum(len(v) for v in prompts.values())}
 
 
 def predicted_speedups(latency, domain_sets, static, matrix, gamma, drafts=None) -> dict:
@@ -113,8 +151,15 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               max_prompt_tokens: int = 256, domain_dir: Path = DOMAIN_DIR, seed: int = 0,
               backbone: Backbone | None = None, profile_kw: dict | None = None,
               umap: bool = True, progress: bool = True,
-              min_skip_ratio: float = 0.03, draft: str = "int8") -> cal_io.Calibration:
+              min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
+              skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True
+              ) -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
+
+    search_mode "speed" maximises predicted speedup above that floor; "matchness" (KNN-SSD) fixes
+    every set at `skip_ratio` of the 2·L sublayers and maximises matchness. check_margin: how much
+    a domain's set must beat the static set on its own held-out prompts to be kept. resume: reuse
+    the matchness memo an interrupted run left in `out` (same model, draft and data only).
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -144,16 +189,33 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
+    memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
+        model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
+        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4))
+    if not resume:
+        memo.data = {}
+    elif memo.size and progress:
+        print(f"resuming the search: {memo.size} matchness values from {memo.path}")
     results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
-                                 progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft))
+                                 progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
+                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo)
     timings["search_s"] = time.perf_counter() - t
-    domain_sets = {d: r.skip for d, r in results.items()}
+    searched = {d: r.skip for d, r in results.items()}
 
     t = time.perf_counter()
     matrix = {}
-    for name, skip in tqdm([*domain_sets.items(), ("static", static.skip)], desc="held-out matchness",
+    for name, skip in tqdm([*searched.items(), ("static", static.skip)], desc="held-out matchness",
                            disable=not progress):
-        matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(bb, skip, held_data).items()}
+        matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(
+            bb, skip, held_data, bb.draft_weights(draft)).items()}
+    check = check_domain_sets(matrix, searched, check_margin)
+    domain_sets = {d: s if check[d]["passed"] else static.skip.with_name(d) for d, s in searched.items()}
+    for d, c in check.items():
+        if not c["passed"]:
+            matrix[d] = dict(matrix["static"])
+            log.warning("CHECK FAILED for domain %s: its searched set %s does not beat the static set "
+                        "on its own held-out prompts (%.3f vs %.3f, margin %.2f); it routes to the "
+                        "static set", d, searched[d], c["own"], c["static"], check_margin)
     drafts = {"head": head, "acceptance": draft_acceptance(bb, {**domain_sets, "static": static.skip},
                                                            held_data, progress=progress)}
     timings["matchness_s"] = time.perf_counter() - t
@@ -177,6 +239,9 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     # The app and the bench route on the user-token embedding (decode.Start.embedding).
     routing["used"] = "user"
     router = routers["user"]
+    outside = routing_check(router, bb, max_prompt_tokens, progress=progress)
+    if outside is not None:
+        routing["check_set"] = outside
     timings["router_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -201,7 +266,12 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "held_out_per_domain": held_out_per_domain,
                      "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
                      "seed": seed, "min_skip_ratio": min_skip_ratio, "min_skipped": min_skipped,
-                     "search_draft": draft},
+                     "search_draft": draft, "matchness_draft": draft, "search_mode": search_mode,
+                     "skip_ratio": skip_ratio if search_mode == "matchness" else None,
+                     "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
+                     if search_mode == "matchness" else None, "check_margin": check_margin},
+        "check": check,
+        "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
         "latency_fit": fit_report(latency),
         "search": {name: {"matchness": round(r.matchness, 4), "objective": round(r.objective, 4),
@@ -216,6 +286,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                              knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts)
     history = {name: r.to_dict() for name, r in [*results.items(), ("static", static)]}
     cal_io.save(cal, out, domain_map, extra_json={"search_history.json": history})
+    memo.remove()
     return cal_io.load(out, bb, domain_dir)
 
 
@@ -234,6 +305,17 @@ def main(argv=None):
                     help="least share of sublayers every searched set skips (0: unconstrained)")
     ap.add_argument("--draft", default="int8", choices=DRAFT_KINDS,
                     help="draft weights the sets are searched for (matchness and costs of that kind)")
+    ap.add_argument("--search-mode", default="speed", choices=SEARCH_MODES,
+                    help="speed: maximise predicted tokens per unit time above --min-skip-ratio; "
+                         "matchness: KNN-SSD's search, every set skips exactly --skip-ratio of the "
+                         "sublayers and the search maximises matchness")
+    ap.add_argument("--skip-ratio", type=float, default=0.25,
+                    help="share of the 2·L sublayers every set skips in --search-mode matchness")
+    ap.add_argument("--check-margin", type=float, default=0.02,
+                    help="held-out matchness by which a domain set must beat the static set on its "
+                         "own domain; a set that does not routes to the static set")
+    ap.add_argument("--fresh", action="store_true",
+                    help="ignore the matchness memo an interrupted run left in --out")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reprofile", action="store_true",
                     help="only re-measure the latency model and the draft calibration (small head, "
@@ -251,9 +333,11 @@ def main(argv=None):
                     prompts_per_domain=args.prompts_per_domain, held_out_per_domain=args.held_out_per_domain,
                     continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
-                    draft=args.draft)
+                    draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
+                    check_margin=args.check_margin, resume=not args.fresh)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
-                      "search": cal.meta["search"], "matchness": cal.matchness}, indent=1))
+                      "search": cal.meta["search"], "check": cal.meta["check"],
+                      "matchness": cal.matchness}, indent=1))
 
 
 if __name__ == "__main__":

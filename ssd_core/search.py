@@ -8,9 +8,14 @@ as they do in real self-speculative decoding. With the latency model it gives th
 search maximises: predicted tokens per unit time relative to autoregressive decoding (which may
 well be < 1 on a CPU; that is reported, not hidden).
 
-The search is random sampling followed by TPE (optuna's Bayesian optimiser) over one boolean per
-attention / MLP sublayer of layers 1..L-2; the first and last layers are never skipped because
-they map tokens into and out of the residual stream and skipping them wrecks every draft.
+Two search modes, side by side (`SEARCH_MODES`):
+- "speed": maximise that predicted speedup over sets of any size above a floor (random sampling,
+  then TPE - optuna's Bayesian optimiser - over one boolean per sublayer);
+- "matchness": KNN-SSD's own recipe: every set skips exactly `skip_ratio` of the sublayers and the
+  search maximises matchness (TPE over one score per sublayer; the top-k scores are skipped).
+In both, the first and last layers are never skipped: they map tokens into and out of the residual
+stream and skipping them wrecks every draft. Matchness values are memoised by set and can be
+passed in (`known`), so an interrupted calibration resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from .skipset import SkipSet
 from .strategies import Autoregressive
 
 STATIC = "static"
+SEARCH_MODES = ("speed", "matchness")
 
 
 # --- teacher-forcing data ----------------------------------------------------------------------------
@@ -212,12 +218,54 @@ def random_candidates(n_layers: int, n: int, seed: int = 0, min_skipped: int = 1
     return out
 
 
-def _params(skip: SkipSet, n_layers: int) -> dict[str, bool]:
+def ratio_count(n_layers: int, ratio: float) -> int:
+    """Sublayers a set skips at `ratio` of the 2·L sublayers (at least 1, at most all searchable)."""
+    if not 0 < ratio < 1:
+        raise ValueError(f"skip ratio must be in (0, 1), got {ratio}")
+    return min(max(1, round(ratio * 2 * n_layers)), 2 * len(searchable_layers(n_layers)))
+
+
+def fixed_size_candidates(n_layers: int, count: int, n_random: int, seed: int = 0) -> list[SkipSet]:
+    """Starting sets of exactly `count` sublayers: three shaped ones, then uniform random draws."""
+    slots = [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
+    inner = list(searchable_layers(n_layers))
+    mid = _middle(n_layers)
+    shapes = [None,  # initial_with's order: middle attentions first
+              [("attn", i) for i in inner[::-1]] + [("mlp", i) for i in inner[::-1]],   # upper first
+              [(k, i) for i in mid for k in ("mlp", "attn")] + slots]                   # middle blocks
+    out = [initial_with(n_layers, count)]
+    for order in shapes[1:]:
+        chosen = list(dict.fromkeys(order))[:count]
+        out.append(SkipSet(frozenset(i for k, i in chosen if k == "attn"),
+                           frozenset(i for k, i in chosen if k == "mlp")))
+    rng = random.Random(seed)
+    for _ in range(n_random):
+        chosen = rng.sample(slots, count)
+        out.append(SkipSet(frozenset(i for k, i in chosen if k == "attn"),
+                           frozenset(i for k, i in chosen if k == "mlp")))
+    return out
+
+
+def _params(skip: SkipSet, n_layers: int, count: int | None = None) -> dict:
+    if count is not None:     # fixed size: a score per sublayer, the skipped ones score 1
+        return {f"{kind}_{i}": float(i in getattr(skip, kind))
+                for i in searchable_layers(n_layers) for kind in ("attn", "mlp")}
+    return _bool_params(skip, n_layers)
+
+
+def _bool_params(skip: SkipSet, n_layers: int) -> dict[str, bool]:
     return {f"{kind}_{i}": i in getattr(skip, kind)
             for i in searchable_layers(n_layers) for kind in ("attn", "mlp")}
 
 
-def _suggest(trial, n_layers: int, name: str) -> SkipSet:
+def _suggest(trial, n_layers: int, name: str, count: int | None = None) -> SkipSet:
+    if count is not None:     # fixed size: skip the `count` best-scored sublayers (ties: layer order)
+        scores = [(trial.suggest_float(f"{kind}_{i}", 0.0, 1.0), kind, i)
+                  for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
+        top = sorted(range(len(scores)), key=lambda j: (-scores[j][0], j))[:count]
+        chosen = [scores[j][1:] for j in top]
+        return SkipSet(frozenset(i for k, i in chosen if k == "attn"),
+                       frozenset(i for k, i in chosen if k == "mlp"), name=name)
     chosen = {"attn": set(), "mlp": set()}
     for i in searchable_layers(n_layers):
         for kind in ("attn", "mlp"):
@@ -253,33 +301,50 @@ class SearchResult:
                 "trials": self.trials, "history": [dict(h) for h in self.history]}
 
 
-class _Scorer:
-    """Objective of a candidate, memoised: TPE re-proposes sets and a forward pass is the cost."""
+def set_key(skip: SkipSet) -> str:
+    """A set's key in a matchness memo (stable text, so it survives a JSON round trip)."""
+    return "a" + ",".join(map(str, sorted(skip.attn))) + "|m" + ",".join(map(str, sorted(skip.mlp)))
 
-    def __init__(self, backbone, data, latency, gamma, context_len, min_skipped, draft=None, kind="fp32"):
+
+class _Scorer:
+    """Objective of a candidate, memoised: TPE re-proposes sets and a forward pass is the cost.
+
+    known: set_key → matchness already measured on this data (a resumed search); new values are
+    added to it and handed to `on_new(key, value)`.
+    """
+
+    def __init__(self, backbone, data, latency, gamma, context_len, min_skipped, draft=None, kind="fp32",
+                 mode="speed", known=None, on_new=None):
         self.backbone, self.data, self.latency = backbone, data, latency
         self.gamma, self.context_len, self.min_skipped = gamma, context_len, min_skipped
-        self.draft, self.kind = draft, kind
-        self.cache: dict[tuple, float] = {}
+        self.draft, self.kind, self.mode = draft, kind, mode
+        self.known = known if known is not None else {}
+        self.on_new = on_new
+        self.seen: set[str] = set()
         self.history: list[dict] = []
 
     def __call__(self, skip: SkipSet) -> float:
-        key = (skip.attn, skip.mlp)
-        if key not in self.cache:
-            self.cache[key] = matchness(self.backbone, skip, self.data, self.draft)
-        m = self.cache[key]
+        key = set_key(skip)
+        if key not in self.known:
+            self.known[key] = matchness(self.backbone, skip, self.data, self.draft)
+            if self.on_new is not None:
+                self.on_new(key, self.known[key])
+        self.seen.add(key)
+        m = self.known[key]
         g = self.latency.best_gamma(skip, m, self.gamma, self.context_len, self.kind)
-        o = self.latency.expected_speedup(skip, m, g, self.context_len, self.kind)
+        speed = self.latency.expected_speedup(skip, m, g, self.context_len, self.kind)
+        o = m if self.mode == "matchness" else speed
         feasible = len(skip) >= self.min_skipped
-        self.history.append({"attn": sorted(skip.attn), "mlp": sorted(skip.mlp),
-                             "matchness": m, "objective": o, "feasible": feasible})
+        self.history.append({"attn": sorted(skip.attn), "mlp": sorted(skip.mlp), "matchness": m,
+                             "objective": o, "speedup": speed, "feasible": feasible})
         # a draft skipping (almost) nothing is the full model run twice: it can only lose, yet its
         # perfect matchness would win whenever skipping is not worth it, so TPE is told it is bad
         return o if feasible else 0.0
 
     @property
     def evaluated(self) -> int:
-        return len(self.cache)
+        """Distinct sets scored in this search (memoised ones included)."""
+        return len(self.seen)
 
 
 def _make_study(seed: int, n_startup: int):
@@ -303,43 +368,58 @@ def _distinct(candidates: list[SkipSet], budget: int, min_skipped: int) -> list[
 def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, budget: int = 120,
                     gamma: int = 4, context_len: int = 256, seed: int = 0, name: str = "",
                     initial: SkipSet | None = None, n_random: int | None = None,
-                    progress: bool = True, min_skipped: int = 1, draft=None) -> SearchResult:
-    """Find the skip set maximising predicted speedup on `data`.
+                    progress: bool = True, min_skipped: int = 1, draft=None,
+                    mode: str = "speed", skip_ratio: float = 0.25,
+                    known: dict | None = None, on_new=None) -> SearchResult:
+    """Find the skip set maximising the mode's objective on `data`.
 
-    draft: the draft.DraftWeights the sets will draft with (matchness and costs of that kind, at the
-    best draft length ≤ gamma); None → the fp32 weights.
+    mode "speed": predicted speedup (latency model, at the best draft length ≤ gamma) over sets of
+    at least `min_skipped` sublayers; "matchness": matchness over sets of exactly
+    ratio_count(L, skip_ratio) sublayers (KNN-SSD). draft: the draft.DraftWeights the sets will draft
+    with; None → the fp32 weights. known / on_new: a matchness memo to resume from (see _Scorer).
 
-    Trials: the initial set, the structured candidates, `n_random` random sets (default
-    budget // 3), then TPE. budget: distinct candidates scored (each costs one matchness pass);
-    TPE re-proposes sets it likes, and those free repeats do not count (at most 4 × budget trials
-    in all). min_skipped: fewest sublayers a draft must skip.
+    Trials: the initial set, shaped candidates, `n_random` random sets (default budget // 3), then
+    TPE. budget: distinct candidates scored (each costs one matchness pass unless memoised); TPE
+    re-proposes sets it likes, and those free repeats do not count (at most 4 × budget trials).
     """
     from tqdm.auto import tqdm
 
     L = backbone.n_layers
+    if mode not in SEARCH_MODES:
+        raise ValueError(f"unknown search mode {mode!r}; choose from {', '.join(SEARCH_MODES)}")
     if latency.n_layers != L:
         raise ValueError(f"latency model is for {latency.n_layers} layers, the backbone has {L}")
     if budget < 1:
         raise ValueError("budget must be ≥ 1 candidate")
-    if initial is None:
-        initial = default_initial(L)
-        if len(initial) < min_skipped:
-            initial = initial_with(L, min_skipped)
-    _check_initial(initial, L, min_skipped)
     n_random = n_random if n_random is not None else max(1, budget // 3)
+    count = None
+    if mode == "matchness":
+        count = ratio_count(L, skip_ratio)
+        min_skipped = count
+        starts = fixed_size_candidates(L, count, n_random, seed)
+        initial = initial if initial is not None else starts[0]
+        if len(initial) != count:
+            raise ValueError(f"the initial set {initial} does not skip exactly {count} sublayers "
+                             f"(skip ratio {skip_ratio})")
+    else:
+        if initial is None:
+            initial = default_initial(L)
+            if len(initial) < min_skipped:
+                initial = initial_with(L, min_skipped)
+        starts = structured_candidates(L) + random_candidates(L, n_random, seed)
+    _check_initial(initial, L, min_skipped)
     # the initial set goes first so the result can never be worse than it
-    queue = _distinct([initial] + structured_candidates(L) + random_candidates(L, n_random, seed),
-                      budget, min_skipped)
+    queue = _distinct([initial] + starts, budget, min_skipped)
     scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped, draft,
-                     draft.kind if draft is not None else "fp32")
+                     draft.kind if draft is not None else "fp32", mode, known, on_new)
     study = _make_study(seed, len(queue))
     for skip in queue:
-        study.enqueue_trial(_params(skip, L))
+        study.enqueue_trial(_params(skip, L, count))
     bar = tqdm(total=budget, desc=f"search {name}".rstrip(), disable=not progress)
 
     def objective(trial) -> float:
         before = scorer.evaluated
-        value = scorer(_suggest(trial, L, name))
+        value = scorer(_suggest(trial, L, name, count))
         bar.update(scorer.evaluated - before)
         bar.set_postfix(best=f"{_best(scorer.history)['objective']:.3f}")
         return value
@@ -372,18 +452,23 @@ def _result(history: list[dict], name: str) -> SearchResult:
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
                context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1,
-               draft=None) -> tuple[dict[str, SearchResult], SearchResult]:
+               draft=None, mode: str = "speed", skip_ratio: float = 0.25, memo=None
+               ) -> tuple[dict[str, SearchResult], SearchResult]:
     """One set per domain, plus the global static ("Self-SD mix") set searched on all domains.
 
     static_per_domain: sequences each domain contributes to the static mix (None: all of them).
     A full mix would make the static search cost as much as all domain searches together.
+    memo: a SearchMemo (or None): matchness already measured per search, kept as the search goes.
     """
     if STATIC in data_by_domain:
         raise ValueError(f"{STATIC!r} is reserved for the global set; rename that domain")
     kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress,
-              min_skipped=min_skipped, draft=draft)
-    per_domain = {d: search_skip_set(backbone, data, latency, name=d, **kw)
-                  for d, data in data_by_domain.items()}
+              min_skipped=min_skipped, draft=draft, mode=mode, skip_ratio=skip_ratio)
     limit = None if static_per_domain is None else static_per_domain * len(data_by_domain)
-    mix = merge(list(data_by_domain.values()), limit)
-    return per_domain, search_skip_set(backbone, mix, latency, name=STATIC, **kw)
+    jobs = [*data_by_domain.items(), (STATIC, merge(list(data_by_domain.values()), limit))]
+    out = {}
+    for name, data in jobs:
+        known, on_new = (None, None) if memo is None else (memo.values(name), memo.recorder(name))
+        out[name] = search_skip_set(backbone, data, latency, name=name, known=known, on_new=on_new, **kw)
+    static = out.pop(STATIC)
+    return out, static

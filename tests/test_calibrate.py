@@ -233,3 +233,35 @@ def test_domain_map_files_are_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         DomainMap.coords_only(np.ones((5, 2), dtype=np.float32)).save(tmp_path)
     assert _snapshot(tmp_path) == before and list(before) == [COORDS_FILE]
+
+
+def test_domain_check_compares_each_set_with_static_on_its_own_domain():
+    from ssd_core.calibrate import check_domain_sets
+    matrix = {"math": {"math": 0.80, "qa": 0.40}, "qa": {"math": 0.50, "qa": 0.61},
+              "static": {"math": 0.70, "qa": 0.60}}
+    check = check_domain_sets(matrix, {"math": None, "qa": None}, margin=0.02)
+    assert check["math"] == {"own": 0.8, "static": 0.7, "other": 0.4, "gain": 0.1, "passed": True}
+    assert check["qa"]["passed"] is False and check["qa"]["gain"] == 0.01    # beats static, not by 0.02
+    assert check_domain_sets(matrix, {"qa": None}, margin=0.0)["qa"]["passed"] is True
+
+
+def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_path, caplog):
+    """KNN-SSD mode with an impossible margin: every domain fails, loudly, and ships the static set."""
+    from ssd_core.calibrate import calibrate
+    out = tmp_path / "tiny"
+    cal = calibrate(None, out, budget=4, gamma=3, prompts_per_domain=3, held_out_per_domain=2,
+                    continuation_tokens=6, max_prompt_tokens=32, backbone=tiny,
+                    profile_kw={"contexts": (16,), "verify_ks": (1, 2), "repeats": 1}, progress=False,
+                    umap=False, search_mode="matchness", skip_ratio=0.3, check_margin=1.0)
+    check = cal.meta["check"]
+    assert set(check) == set(DOMAINS) and not any(c["passed"] for c in check.values())
+    for d, skip in cal.domain_sets.items():
+        assert (skip.attn, skip.mlp) == (cal.static.attn, cal.static.mlp) and skip.name == d
+        assert cal.matchness[d] == cal.matchness["static"]
+        searched = cal.meta["searched_sets"][d]
+        assert len(searched["attn"]) + len(searched["mlp"]) == 3       # 0.3 of 2 × 5 sublayers
+    assert sum("CHECK FAILED for domain" in r.message for r in caplog.records) == len(DOMAINS)
+    assert cal.meta["settings"]["search_mode"] == "matchness"
+    assert not (out / ".search_memo.json").exists()          # a finished run leaves no memo
+    outside = cal.routing["check_set"]                       # routing on assets/routing_check/
+    assert outside["prompts"] >= 7 and "overall" in outside["accuracy"]

@@ -227,3 +227,66 @@ def test_static_mix_takes_a_balanced_share_of_each_domain(tiny, data, other):
                            budget=4, progress=False, static_per_domain=1)
     mixed = merge([data, other], limit=2)
     assert static.matchness == matchness(tiny, static.skip, mixed)
+
+
+# --- KNN-SSD's mode: fixed skip ratio, maximise matchness ---------------------------------------------
+def test_matchness_mode_keeps_the_ratio_and_maximises_matchness(tiny, data):
+    from ssd_core.search import ratio_count
+    count = ratio_count(tiny.n_layers, 0.3)
+    assert count == 3                       # 0.3 × 2 × 5 sublayers
+    r = search_skip_set(tiny, data, latency_for(tiny.n_layers), budget=15, progress=False,
+                        mode="matchness", skip_ratio=0.3, name="qa")
+    assert all(len(h["attn"]) + len(h["mlp"]) == count for h in r.history)
+    assert len(r.skip) == count and r.skip.name == "qa"
+    assert r.objective == r.matchness == max(h["matchness"] for h in r.history)
+    assert r.matchness == matchness(tiny, r.skip, data)
+    # its objective is matchness, not speed: a speed search on the same data picks by speedup
+    assert all(h["objective"] == h["matchness"] for h in r.history)
+    assert {h["speedup"] for h in r.history} != {h["objective"] for h in r.history}
+
+
+def test_matchness_mode_rejects_bad_settings(tiny, data):
+    lat = latency_for(tiny.n_layers)
+    with pytest.raises(ValueError, match="search mode"):
+        search_skip_set(tiny, data, lat, budget=3, progress=False, mode="fastest")
+    with pytest.raises(ValueError, match="skip ratio"):
+        search_skip_set(tiny, data, lat, budget=3, progress=False, mode="matchness", skip_ratio=1.5)
+    with pytest.raises(ValueError, match="exactly"):
+        search_skip_set(tiny, data, lat, budget=3, progress=False, mode="matchness", skip_ratio=0.3,
+                        initial=SkipSet({2}, set()))
+
+
+@pytest.mark.parametrize("mode", ["speed", "matchness"])
+def test_a_resumed_search_replays_without_forward_passes(tiny, data, mode, monkeypatch):
+    """An interrupted search resumed from its memo gives the same answer and re-measures nothing."""
+    import ssd_core.search as search
+    lat = latency_for(tiny.n_layers)
+    memo: dict = {}
+    first = search_skip_set(tiny, data, lat, budget=12, seed=1, progress=False, mode=mode,
+                            known=memo, on_new=lambda k, v: None)
+    n = len(memo)
+    assert n >= 8           # (the tiny model's fixed-size space holds only 20 sets: TPE finds fewer)
+    half = dict(list(memo.items())[:n // 2])            # as if killed halfway
+    calls = []
+    real = search.matchness
+    monkeypatch.setattr(search, "matchness", lambda *a, **k: calls.append(1) or real(*a, **k))
+    resumed = search_skip_set(tiny, data, lat, budget=12, seed=1, progress=False, mode=mode, known=half)
+    assert resumed.history == first.history and resumed.skip == first.skip
+    assert len(calls) == n - n // 2                     # only the ones it had not measured
+    calls.clear()
+    again = search_skip_set(tiny, data, lat, budget=12, seed=1, progress=False, mode=mode, known=memo)
+    assert again.skip == first.skip and calls == []
+
+
+def test_search_memo_on_disk_is_keyed_by_its_inputs(tmp_path):
+    from ssd_core.search_memo import SearchMemo, fingerprint
+    path = tmp_path / ".search_memo.json"
+    fp = fingerprint(model="tiny", draft="int8", tokens=8)
+    memo = SearchMemo(path, fp)
+    memo.recorder("qa")("a1|m", 0.5)
+    assert SearchMemo(path, fp).values("qa") == {"a1|m": 0.5}
+    assert SearchMemo(path, fingerprint(model="tiny", draft="fp32", tokens=8)).size == 0
+    path.write_text("{not json")
+    assert SearchMemo(path, fp).size == 0               # a broken memo is only a lost cache
+    memo.remove()
+    assert not path.exists()
