@@ -291,9 +291,14 @@ def domains_views(studio: "Studio"):
     if cal is None:
         return "No calibration yet: run it from the banner at the top.", None, None
     acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
+    outside = cal.routing.get("check_set")
     text = ("Each domain gets its own skip set, searched offline. "
             + (f"Held-out routing accuracy of the KNN router: **{acc:.0%}**; " if acc is not None else "")
-            + f"prompts less similar than {cal.router.threshold:.2f} to every anchor count as unknown → static set.")
+            + (f"on {outside['prompts']} prompts written after the anchors (assets/routing_check): "
+               f"**{outside['accuracy']['overall']:.0%}**; " if outside else "")
+            + f"prompts less similar than {cal.router.threshold:.2f} to every anchor count as unknown → static set."
+            + "\n\n" + vlayers.domain_check_md(cal.meta.get("check"), cal.meta["settings"].get("check_margin"),
+                                                cal.meta["settings"].get("search_mode")))
     return (text, vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
             vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)))
 

@@ -46,3 +46,35 @@ def domains_hash(domain_dir: Path | str = DOMAIN_DIR, domains=DOMAINS) -> str:
         path = Path(domain_dir) / f"{d}.jsonl"
         h.update(d.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def held_out_questions(per_domain: int, skip: int = 0, domain_dir: Path | str = DOMAIN_DIR) -> list[dict]:
+    """A Spec-Bench-format question list (category = domain) from the held-out split.
+
+    skip: held-out prompts to pass over first in each domain, e.g. the ones the calibration's
+    held-out matchness and domain check already looked at (its --held-out-per-domain).
+    """
+    prompts = load_prompts(domain_dir)
+    rows = []
+    for d, ps in prompts.items():
+        held = split(ps)[1][skip:skip + per_domain]
+        rows += [{"question_id": len(rows) + 1 + i, "category": d, "turns": [p]} for i, p in enumerate(held)]
+    return rows
+
+
+def main(argv=None) -> None:
+    """python -m ssd_core.domains --held-out-questions N [--skip K] --out FILE"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write held-out domain prompts as a bench question file.")
+    ap.add_argument("--held-out-questions", type=int, required=True, help="questions per domain")
+    ap.add_argument("--skip", type=int, default=0, help="held-out prompts to pass over per domain")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    rows = held_out_questions(args.held_out_questions, args.skip)
+    Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    print(f"{len(rows)} questions → {args.out}")
+
+
+if __name__ == "__main__":
+    main()

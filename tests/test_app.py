@@ -152,6 +152,10 @@ def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(stud
     session = outs[-1][0]
     route = session.run.route
     assert session.run.route_used and route["neighbours"] and "routed to" in column(outs, "route")[0]
+    why = column(outs, "route")[0].split("why this domain", 1)[1]      # the K neighbours, explained
+    assert why.count("<li>") == len(route["neighbours"])
+    first = route["neighbours"][0]
+    assert f'{first["similarity"]:.2f}' in why and first["domain"] in why
     ar = core_generate(tiny, PROMPT, Autoregressive(), max_new_tokens=32)
     assert session.run.token_ids == ar.token_ids        # what was streamed is what AR writes
     assert "done" in tokens[-1]

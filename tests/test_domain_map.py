@@ -115,3 +115,17 @@ def test_load_without_umap_is_a_domain_map_error(fitted, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "umap", None)   # makes `import umap` fail
     with pytest.raises(DomainMapError, match="umap-learn"):
         DomainMap.load(tmp_path, info["umap_sha256"])
+
+
+def test_domain_check_table_names_failing_domains_loudly():
+    from viz.layers import domain_check_md
+    check = {"math": {"own": 0.8, "static": 0.7, "other": 0.4, "gain": 0.1, "passed": True},
+             "qa": {"own": 0.6, "static": 0.6, "other": 0.5, "gain": 0.0, "passed": False}}
+    md = domain_check_md(check, 0.02, "matchness")
+    assert "1 of 2 domain searches did not beat the static set" in md and "qa" in md.split("\n")[0]
+    assert "| qa | 0.60 | 0.60 | +0.00 | 0.50 | **no → static** |" in md
+    assert "| math | 0.80 | 0.70 | +0.10 | 0.40 | yes |" in md
+    assert md.startswith("**⚠")
+    ok = domain_check_md({"math": check["math"]}, 0.02)
+    assert ok.startswith("**Every domain set beats the static set")
+    assert "predates" in domain_check_md(None, None)

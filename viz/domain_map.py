@@ -99,13 +99,28 @@ def route_html(route: dict | None, strategy: str = "knn", used: bool = True) -> 
     if route.get("unknown"):
         head = (f"{'unknown → static set' if used else 'KNN: unknown domain → static set'} · best similarity "
                 f"{route['similarity']:.2f} is below the threshold {route['threshold']:.2f}")
-        return f'<div class="route unknown">{escape(head)}{aside}{_votes(route)}</div>'
+        return f'<div class="route unknown">{escape(head)}{aside}{_votes(route)}{_why(route)}</div>'
     d = route["domain"]
     agree = sum(n["domain"] == d for n in route["neighbours"])
     head = (f'<span class="dom-dot" style="background:{domain_color(d)}"></span>{lead} '
             f"<b>{escape(d)}</b> · {agree}/{len(route['neighbours'])} neighbour votes · "
             f"nearest similarity {route['similarity']:.2f}")
-    return f'<div class="route known">{head}{aside}{_votes(route)}</div>'
+    return f'<div class="route known">{head}{aside}{_votes(route)}{_why(route)}</div>'
+
+
+def _why(route: dict, width: int = 90) -> str:
+    """Why this domain: the K nearest anchors (their prompts, domains and cosine similarities)."""
+    rows = []
+    for n in route.get("neighbours", []):
+        text = n.get("text") or f"(centroid of {n['domain']} prompts)"
+        text = text if len(text) <= width else text[:width - 1].rstrip() + "…"
+        rows.append(f'<li><span class="dom-dot" style="background:{domain_color(n["domain"])}"></span>'
+                    f'<b>{escape(n["domain"])}</b> {n["similarity"]:.2f} · '
+                    f'<span class="why-text">{escape(text)}</span></li>')
+    if not rows:
+        return ""
+    return (f'<details class="route-why"><summary>why this domain: the {len(rows)} nearest anchor '
+            f'prompts</summary><ol>{"".join(rows)}</ol></details>')
 
 
 def _votes(route: dict) -> str:

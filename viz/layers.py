@@ -182,3 +182,27 @@ def matchness_heatmap(matchness: dict[str, dict[str, float]], domains: list[str]
                           line=dict(color=INK, width=1.5))
     return fig
 
+
+
+def domain_check_md(check: dict | None, margin: float | None, mode: str | None = None) -> str:
+    """The calibration's domain check as a markdown table: does each set beat static at home?
+
+    check: calibrate's meta["check"] (domain → own, static, other, gain, passed). Failing domains
+    are named in bold above the table: they route to the static set.
+    """
+    if not check:
+        return ("*This calibration predates the domain check (re-run `python -m ssd_core.calibrate`).*")
+    failed = [d for d, c in check.items() if not c["passed"]]
+    how = f" (search mode: {mode})" if mode else ""
+    lead = (f"**Every domain set beats the static set on its own held-out prompts by ≥ {margin:.2f}{how}.**"
+            if not failed else
+            f"**⚠ {len(failed)} of {len(check)} domain searches did not beat the static set on their own "
+            f"held-out prompts by {margin:.2f}{how}: {', '.join(failed)}. Those domains route to the "
+            "static set.**")
+    rows = ["| domain | own set, own prompts | static set, own prompts | gain | own set, other domains | kept |",
+            "|---|---|---|---|---|---|"]
+    for d, c in check.items():
+        other = "–" if c.get("other") is None else f"{c['other']:.2f}"
+        rows.append(f"| {d} | {c['own']:.2f} | {c['static']:.2f} | {c['gain']:+.2f} | {other} | "
+                    f"{'yes' if c['passed'] else '**no → static**'} |")
+    return lead + "\n\n" + "\n".join(rows)
