@@ -33,13 +33,13 @@ from pathlib import Path
 import gradio as gr
 
 from ssd_core import calibration as cal_io
-from ssd_core.backbone import load_backbone
-from ssd_core.decode import DecodeConfig, Start, decode
-from ssd_core.domains import DOMAINS, load_prompts, split
-from ssd_core.generate import generate as core_generate
-from ssd_core.generate import summarize
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive
+from ssd_core.calibration.domains import DOMAINS, load_prompts, split
+from ssd_core.engine.decode import DecodeConfig, Start, decode
+from ssd_core.engine.generate import generate as core_generate
+from ssd_core.engine.generate import summarize
+from ssd_core.engine.loading import load_backbone
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
 from viz import benchmark as vbench
 from viz import cost as vcost
 from viz import domain_map as vmap
@@ -118,7 +118,7 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     """
     t0 = time.perf_counter()
     folder = Path(calibration) if calibration else cal_io.default_folder(spec)
-    from ssd_core import backbone as core_bb
+    from ssd_core.engine import loading as core_bb
     cold = backbone is None and not core_bb.model_cache_ready(spec)
     bb = backbone or load_backbone(spec, threads=threads)
     t_model = time.perf_counter() - t0
@@ -343,14 +343,11 @@ def _timed(events):
 
 def _in_use(studio: Studio, run: Run, start: Start):
     """The route to show and the first skip set, from the Start event."""
-    info = start.info or {}
     cal = studio.calibration
-    route, used = info.get("route"), "route" in info
+    route, used = (start.route.to_dict() if start.route else None), start.route is not None
     if route is None and cal is not None:   # show where KNN *would* send it, marked as not used
         route = cal.router.route(start.embedding).to_dict()
-    skip = None
-    if "skip" in info and run.strategy != "ar":
-        skip = SkipSet.from_dict(info["skip"])
+    skip = start.skip if run.strategy != "ar" else None
     return route, used, skip
 
 
@@ -471,7 +468,7 @@ def generate_text(studio: "Studio", prompt: str, strategy: str = "KNN-SSD", max_
     st = g.stats
     return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
             "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
-            "truncated": g.start.truncated, "domain": (g.start.info or {}).get("domain")}
+            "truncated": g.start.truncated, "domain": g.start.domain}
 
 
 def clean_prompt(prompt) -> str:
@@ -700,8 +697,8 @@ def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
     start = next(events)
-    route = (start.info or {}).get("route")
-    skip = (start.info or {}).get("skip")
+    route = start.route.to_dict() if start.route else None
+    skip = start.skip.to_dict() if start.skip else None
     desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
             "sublayers" if route and skip else
             f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
@@ -748,7 +745,7 @@ def walk_auto(studio: Studio, session, steps: int = 8, pause: float = 0.9):
 # --- handlers: calibration ---------------------------------------------------------------------------
 def run_calibration(studio: Studio, progress=gr.Progress(track_tqdm=True)):
     """Build a quick calibration for the loaded model (tqdm bars show as a progress bar), then load it."""
-    from ssd_core.calibrate import calibrate
+    from ssd_core.calibration.build import calibrate
     progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
     try:
         cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,

@@ -21,7 +21,7 @@ def tiny():
 def real_model(tmp_path_factory):
     """The embedded default model (marked tests only), converted from the GGUF into an empty cache:
     what a new machine does, so a warm cache in the developer's home cannot hide a broken conversion."""
-    from ssd_core.backbone import load_backbone
+    from ssd_core.engine.loading import load_backbone
     mp = pytest.MonkeyPatch()
     mp.setenv("KNN_SSD_CACHE", str(tmp_path_factory.mktemp("model-cache")))
     try:
@@ -33,7 +33,7 @@ def real_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_calibration(tiny, tmp_path_factory):
     """A full calibration of the tiny model (small budgets: seconds, not minutes)."""
-    from ssd_core.calibrate import calibrate
+    from ssd_core.calibration.build import calibrate
     out = tmp_path_factory.mktemp("calibration") / "tiny"
     return calibrate(None, out, budget=6, gamma=3, prompts_per_domain=6, held_out_per_domain=4,
                      continuation_tokens=8, max_prompt_tokens=48, backbone=tiny,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from ssd_core.backbone import EMPTY
+from ssd_core.engine.backbone import EMPTY
 
 # |ours − transformers| ≤ RTOL · max(1, max |logit|) at every position (fp32 both sides).
 RTOL = 1e-4

@@ -5,10 +5,10 @@ import gradio as gr
 import pytest
 
 import app
-from ssd_core.decode import Step
-from ssd_core.generate import generate as core_generate
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive
+from ssd_core.engine.decode import Step
+from ssd_core.engine.generate import generate as core_generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
 from viz import benchmark as vbench
 from viz import cost as vcost
 from viz import layers as vlayers
@@ -256,9 +256,9 @@ def test_app_without_calibration_runs_autoregressive_and_offers_one(tiny, tiny_c
     assert outs[-1][0].run.strategy == "ar" and "No calibration" in column(outs, "stats")[0]
     demo = app.build(bare)
     assert isinstance(demo, gr.Blocks)
-    import ssd_core.calibrate
+    import ssd_core.calibration.build
     calls = []
-    monkeypatch.setattr(ssd_core.calibrate, "calibrate",
+    monkeypatch.setattr(ssd_core.calibration.build, "calibrate",
                         lambda *a, **kw: calls.append(kw) or tiny_calibration)
     assert all(v == gr.skip() for v in app.page_load(bare, None, None)[1:])   # nothing changed yet
     banner, button = app.run_calibration(bare, progress=lambda *a, **kw: None)

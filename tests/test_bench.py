@@ -5,8 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from ssd_core import bench
-from ssd_core.bench import Question, aggregate, combine_predictions, median_speedup, mix_order, speedup
+from ssd_core.policies.registry import parse_strategies
+from ssd_core.tools import bench, reference, specbench
+from ssd_core.tools.specbench import Question, mix_order
+from ssd_core.tools.stats import aggregate, combine_predictions, median_speedup, speedup
+from viz import bench_figures
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 PROMPTS = {
@@ -87,12 +90,14 @@ def test_cli_writes_spec_bench_answers_and_a_complete_summary(tiny, tiny_calibra
     ar_turns = [json.loads(x)["choices"][0]["turns"] for x in (out / "ar.jsonl").read_text().splitlines()]
     knn_turns = [json.loads(x)["choices"][0]["turns"] for x in (out / "knn.jsonl").read_text().splitlines()]
     assert ar_turns == knn_turns
+    assert summary["outputs"]["answers"] and not (out / "results.md").exists()   # the tool writes data only
+    rendered = bench_figures.render(out)                                          # the views draw it
     md = (out / "results.md").read_text()
-    assert "| knn |" in md and "τ" in md
+    assert "| knn |" in md and "τ" in md and "| knn |" in rendered["table"]
     for fig in ("tau_per_category", "speedup_per_category", "accept_lengths"):
         assert (out / f"{fig}.html").exists()
-    # kaleido is optional: PNGs either exist or the summary says why they were skipped
-    figs = summary["outputs"]["figures"]
+    # kaleido is optional: PNGs either exist or the renderer says why they were skipped
+    figs = rendered["figures"]
     assert figs["png"] or figs["png_skipped"]
 
 
@@ -211,8 +216,8 @@ def test_mixed_order_is_a_seeded_permutation():
     assert a == b                                                    # deterministic for a seed
     assert sorted(q.question_id for q in a) == sorted(q.question_id for q in qs)
     assert mix_order(qs, 0.5, seed=2) != a                           # the seed matters
-    rate = bench.switch_rate(a)
-    assert bench.switch_rate(mix_order(qs, 0.0)) < rate < bench.switch_rate(mix_order(qs, 1.0))
+    rate = specbench.switch_rate(a)
+    assert specbench.switch_rate(mix_order(qs, 0.0)) < rate < specbench.switch_rate(mix_order(qs, 1.0))
     for cat in "abc":                                                # within a category, file order kept
         ids = [q.question_id for q in a if q.category == cat]
         assert ids == sorted(ids)
@@ -220,10 +225,10 @@ def test_mixed_order_is_a_seeded_permutation():
 
 def test_select_limits_per_category():
     qs = _stream(per_cat=3)
-    assert Counter(q.category for q in bench.select(qs, limit=2)) == {"a": 2, "b": 2, "c": 2}
-    assert {q.category for q in bench.select(qs, categories=["b"])} == {"b"}
+    assert Counter(q.category for q in specbench.select(qs, limit=2)) == {"a": 2, "b": 2, "c": 2}
+    assert {q.category for q in specbench.select(qs, categories=["b"])} == {"b"}
     with pytest.raises(ValueError, match="no questions"):
-        bench.select(qs, categories=["zzz"])
+        specbench.select(qs, categories=["zzz"])
     with pytest.raises(ValueError, match="mix ratio"):
         mix_order(qs, 1.5)
 
@@ -231,18 +236,18 @@ def test_select_limits_per_category():
 def test_questions_in_spec_bench_format(tmp_path):
     p = tmp_path / "q.jsonl"
     p.write_text(json.dumps({"question_id": 7, "category": "qa", "turns": ["Hi?", "second turn"]}) + "\n\n")
-    assert bench.load_questions(p) == [Question(7, "qa", "Hi?")]
+    assert specbench.load_questions(p) == [Question(7, "qa", "Hi?")]
     p.write_text('{"question_id": 1}\n')
     with pytest.raises(ValueError, match="Spec-Bench question"):
-        bench.load_questions(p)
+        specbench.load_questions(p)
     with pytest.raises(ValueError, match="unknown strategies"):
-        bench.parse_strategies("ar,fast")
-    assert bench.parse_strategies("knn,static") == ["ar", "knn", "static"]
+        parse_strategies("ar,fast")
+    assert parse_strategies("knn,static") == ["ar", "knn", "static"]
 
 
 # --- scaling on the tiny model ------------------------------------------------------------------
 def test_scaling_runs_and_records_knapspec_choices(tiny, tiny_calibration, tmp_path):
-    from ssd_core import scaling
+    from ssd_core.tools import scaling
     res = scaling.run_scaling(tiny, tiny_calibration, lengths=(128, 300), new_tokens=8, progress=False,
                               sweep_contexts=(64, 256, 900))
     assert res["lossless"]
@@ -256,9 +261,10 @@ def test_scaling_runs_and_records_knapspec_choices(tiny, tiny_calibration, tmp_p
         for share in ("0.15", "0.30"):
             assert row[share] is None or row[share]["attn"] + row[share]["mlp"] >= 1
     assert res["findings"]
-    written = scaling.write_outputs(res, tmp_path / "scaling")
-    assert (tmp_path / "scaling" / "scaling.json").exists() and (tmp_path / "scaling" / "scaling.html").exists()
-    assert "| knapspec |" in written["table"]
+    assert scaling.write_outputs(res, tmp_path / "scaling") == tmp_path / "scaling" / "scaling.json"
+    rendered = bench_figures.render(tmp_path / "scaling", png=False)
+    assert (tmp_path / "scaling" / "scaling.html").exists() and (tmp_path / "scaling" / "scaling.md").exists()
+    assert "| knapspec |" in rendered["table"]
 
 
 # --- transformers' model.generate as an independent reference ------------------------------------
@@ -283,7 +289,7 @@ def test_hf_generate_mismatch_fails_naming_prompt_and_strategy(tiny, tiny_calibr
                                                                monkeypatch, capsys):
     real = type(tiny.hf_model).generate
     prompt_ids = {}
-    for q in bench.select(bench.load_questions(question_file), ["qa", "translation"], 1):
+    for q in specbench.select(specbench.load_questions(question_file), ["qa", "translation"], 1):
         prompt_ids[q.question_id] = tiny.encode(q.prompt).ids
     target = prompt_ids[7]                                    # the first qa question
 
@@ -313,12 +319,12 @@ def test_hf_generate_mismatch_fails_naming_prompt_and_strategy(tiny, tiny_calibr
 
 def test_hf_reference_stops_where_the_core_stops(tiny):
     # the stop set handed to generate is the core's, and the comparison cuts after the first EOS
-    kw = bench.hf_greedy_kwargs(tiny, 12)
+    kw = reference.hf_greedy_kwargs(tiny, 12)
     assert kw["eos_token_id"] == sorted(tiny.eos_ids) and kw["do_sample"] is False
     assert kw["repetition_penalty"] == 1.0 and kw["max_new_tokens"] == 12
     eos = next(iter(tiny.eos_ids))
-    assert bench.cut_at_eos([5, 6, eos, eos, eos], tiny.eos_ids) == (5, 6, eos)
-    assert bench.cut_at_eos([5, 6], tiny.eos_ids) == (5, 6)
+    assert reference.cut_at_eos([5, 6, eos, eos, eos], tiny.eos_ids) == (5, 6, eos)
+    assert reference.cut_at_eos([5, 6], tiny.eos_ids) == (5, 6)
 
 
 def test_draft_kind_and_lookup_are_settings_of_the_run(tiny, tiny_calibration, question_file, tmp_path):

@@ -13,9 +13,10 @@ import pytest
 
 from ssd_core import calibration as cal_io
 from ssd_core.calibration import CalibrationError
-from ssd_core.domains import DOMAINS
-from ssd_core.generate import generate
-from ssd_core.strategies import Autoregressive
+from ssd_core.calibration.domains import DOMAIN_DIR, DOMAINS
+from ssd_core.engine.generate import generate
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.registry import AUTO_INNER, STRATEGIES
 from tiny import tiny_backbone
 
 
@@ -37,13 +38,31 @@ def test_calibration_has_every_artefact(tiny_calibration):
 def test_every_strategy_from_a_calibration_is_lossless(tiny, tiny_calibration):
     prompt = "Translate German to English: Guten Morgen."
     ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=24)
-    for name in cal_io.STRATEGIES:
+    for name in STRATEGIES:
         strat = tiny_calibration.strategy(name, gamma=3, category="translation")
         g = generate(tiny, prompt, strat, max_new_tokens=24, gamma=3)
         assert g.token_ids == ar.token_ids, name
-    assert "route" in tiny_calibration.strategy("knn").start(tiny, tiny.encode(prompt),
-                                                              tiny.prefill(tiny.encode(prompt),
-                                                                           tiny.new_cache(256)).embedding)
+    plan = tiny_calibration.strategy("knn").start(tiny, tiny.encode(prompt),
+                                                  tiny.prefill(tiny.encode(prompt), tiny.new_cache(256)).embedding)
+    assert plan.route is not None and plan.skip == plan.route.skip
+
+
+@pytest.mark.parametrize("inner", AUTO_INNER)
+def test_auto_wraps_each_allowed_strategy_losslessly(tiny, tiny_calibration, inner):
+    prompt = "Translate German to English: Guten Morgen."
+    ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=24)
+    strat = tiny_calibration.strategy("auto", inner=inner, gamma=3, category="translation")
+    assert strat.name == "auto" and strat.inner.name == inner
+    g = generate(tiny, prompt, strat, max_new_tokens=24, gamma=3)
+    assert g.token_ids == ar.token_ids
+    # knapspec picks its first set at the first step, so auto starts without a forecast for it
+    assert (g.start.forecast is None) == (inner == "knapspec")
+
+
+@pytest.mark.parametrize("inner", ["auto", "ar", "fast"])
+def test_auto_refuses_what_it_cannot_wrap(tiny_calibration, inner):
+    with pytest.raises(ValueError, match="auto wraps one of"):
+        tiny_calibration.strategy("auto", inner=inner)
 
 
 def test_round_trip_and_domain_map(tiny, tiny_calibration):
@@ -75,7 +94,7 @@ def test_other_model_is_refused(tiny_calibration, tmp_path):
 
 def test_stale_domain_files_are_refused(tiny_calibration, tmp_path):
     domains = tmp_path / "domains"
-    shutil.copytree(cal_io.DOMAIN_DIR, domains)
+    shutil.copytree(DOMAIN_DIR, domains)
     with open(domains / "qa.jsonl", "a") as f:
         f.write(json.dumps({"prompt": "A new question?"}) + "\n")
     with pytest.raises(CalibrationError, match="other domain prompt files"):
@@ -98,7 +117,7 @@ def test_corrupt_json_is_refused(tiny_calibration, tmp_path):
 
 
 def test_tampered_umap_is_never_unpickled(tiny_calibration, tmp_path):
-    from ssd_core.domain_map import DomainMapError
+    from ssd_core.calibration.domain_map import DomainMapError
     folder = _copy(tiny_calibration, tmp_path)
     cal = cal_io.load(folder)
     (folder / "umap.joblib").write_bytes(b"not a pickle at all")
@@ -220,7 +239,7 @@ def test_atomic_write_replaces_whole_files_or_nothing(tmp_path):
 
 
 def test_domain_map_files_are_written_atomically(tmp_path, monkeypatch):
-    from ssd_core.domain_map import COORDS_FILE, DomainMap
+    from ssd_core.calibration.domain_map import COORDS_FILE, DomainMap
     dm = DomainMap.coords_only(np.zeros((5, 2), dtype=np.float32))
     dm.save(tmp_path)
     before = _snapshot(tmp_path)
@@ -236,7 +255,7 @@ def test_domain_map_files_are_written_atomically(tmp_path, monkeypatch):
 
 
 def test_domain_check_compares_each_set_with_static_on_its_own_domain():
-    from ssd_core.calibrate import check_domain_sets
+    from ssd_core.calibration.build import check_domain_sets
     matrix = {"math": {"math": 0.80, "qa": 0.40}, "qa": {"math": 0.50, "qa": 0.61},
               "static": {"math": 0.70, "qa": 0.60}}
     check = check_domain_sets(matrix, {"math": None, "qa": None}, margin=0.02)
@@ -247,7 +266,7 @@ def test_domain_check_compares_each_set_with_static_on_its_own_domain():
 
 def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_path, caplog):
     """KNN-SSD mode with an impossible margin: every domain fails, loudly, and ships the static set."""
-    from ssd_core.calibrate import calibrate
+    from ssd_core.calibration.build import calibrate
     out = tmp_path / "tiny"
     cal = calibrate(None, out, budget=4, gamma=3, prompts_per_domain=3, held_out_per_domain=2,
                     continuation_tokens=6, max_prompt_tokens=32, backbone=tiny,

@@ -6,12 +6,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ssd_core.backbone import EMPTY
-from ssd_core.decode import DecodeConfig, Start, Step, _speculative_sample, decode
-from ssd_core.draft import DRAFT_KINDS
-from ssd_core.generate import generate, stream_text, summarize
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive, Static
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.decode import DecodeConfig, Start, Step, _speculative_sample, decode
+from ssd_core.engine.draft import DRAFT_KINDS
+from ssd_core.engine.generate import generate, stream_text, summarize
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
 
 N_LAYERS = 5
 
@@ -187,7 +188,7 @@ def test_summarize_arithmetic():
         return Step(0, 0, tuple(drafted), (0.5,) * len(drafted), committed, accepted, committed,
                     EMPTY, 0.01, 0.02, 0.0)
     steps = [step([1, 2, 3], 3), step([1, 2], 0), step([1, 2, 3, 4], 2)]
-    st_ = summarize(Start(5, 1, torch.zeros(2), 0.1, "static", {}), steps, wall_s=2.0)
+    st_ = summarize(Start(5, 1, torch.zeros(2), 0.1, "static"), steps, wall_s=2.0)
     assert st_.tau == pytest.approx((4 + 1 + 3) / 3)
     assert st_.alpha == pytest.approx(5 / 9)
     assert st_.new_tokens == 9

@@ -4,14 +4,16 @@ import collections
 import pytest
 import torch
 
-from ssd_core.backbone import EMPTY
-from ssd_core.decode import DecodeConfig, _speculative_sample, decode
-from ssd_core.draft import DraftWeights, frequent_tokens
-from ssd_core.generate import generate
-from ssd_core.latency import AdaptiveLength, LatencyModel
-from ssd_core.lookup import PromptLookup
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive, Static
+from ssd_core.calibration.latency import LatencyModel
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.decode import DecodeConfig, _speculative_sample, decode
+from ssd_core.engine.draft import DraftWeights, frequent_tokens
+from ssd_core.engine.generate import generate
+from ssd_core.engine.lookup import PromptLookup
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.adaptive import AdaptiveLength
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
 
 
 @pytest.fixture
@@ -159,7 +161,8 @@ def test_adaptive_length_drafts_longer_when_drafts_are_accepted():
 
 
 def test_search_scores_candidates_with_the_draft_it_will_use(tiny):
-    from ssd_core.search import build_match_data, matchness, search_skip_set
+    from ssd_core.calibration.matchness import build_match_data, matchness
+    from ssd_core.calibration.search import search_skip_set
     data = build_match_data(tiny, ["the quick brown fox", "jumps over"], continuation_tokens=8, progress=False)
     lat = _latency(int8={"attn_a": 0.3e-3, "attn_b": 0.0, "mlp": 0.5e-3, "head": 0.5e-3, "overhead": 1e-3})
     lat = LatencyModel(**{**lat.__dict__, "n_layers": tiny.n_layers})

@@ -10,9 +10,9 @@ import time
 import pytest
 
 import app
-from ssd_core.decode import DecodeConfig, Start, decode
-from ssd_core.generate import generate as core_generate
-from ssd_core.strategies import Autoregressive
+from ssd_core.engine.decode import DecodeConfig, Start, decode
+from ssd_core.engine.generate import generate as core_generate
+from ssd_core.policies.ar import Autoregressive
 
 BAD_PROMPTS = {
     "empty": "",

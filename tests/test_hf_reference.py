@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from hf_reference import RTOL, compare_forward, hf_greedy, processors_are_plain
-from ssd_core.decode import DecodeConfig
-from ssd_core.generate import generate
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive, Static
+from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.generate import generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
 from tiny import tiny_backbone
 
 PROMPTS = ["Translate German to English: Guten Morgen, wie geht es dir?",

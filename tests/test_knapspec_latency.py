@@ -7,13 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_core.backbone import EMPTY
-from ssd_core.decode import DecodeConfig
-from ssd_core.generate import generate
-from ssd_core.knapspec import KnapSpec, choose_skip, fit_kappa, knapsack_min_loss, sublayer_similarity
-from ssd_core.latency import Auto, LatencyModel, expected_tokens, fit_report, profile
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive, Static
+from ssd_core.calibration.latency import LatencyModel, expected_tokens, fit_report, profile
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.generate import generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.auto import Auto
+from ssd_core.policies.knapspec import KnapSpec, choose_skip, fit_kappa, knapsack_min_loss, sublayer_similarity
+from ssd_core.policies.static import Static
 
 
 def lat(n_layers=5, attn_b=1e-6, verify=None):
@@ -66,14 +68,14 @@ def test_auto_falls_back_when_a_loss_is_predicted(tiny):
     slow_verify = lat(verify={1: 1.0, 5: 3.0})
     auto = Auto(Static(skip), slow_verify, {"math": 0.3}, gamma=4)
     g = generate(tiny, "auto", auto, max_new_tokens=12, gamma=4)
-    assert g.start.info["auto"]["speculate"] is False
+    assert g.start.forecast.skip == skip and g.start.forecast.speculate is False
     assert not any(s.speculative for s in g.steps[:7])
     # one probe every `probe_every` steps lets the run's own acceptance overturn the prediction
     assert [s.index for s in g.steps if s.speculative] == [i for i in range(len(g.steps)) if i % 8 == 7]
     assert "autoregressive" in g.steps[0].note
     fast = Auto(Static(skip), lat(verify={1: 1.0, 5: 1.01}), {"math": 0.99}, gamma=4)
     g2 = generate(tiny, "auto", fast, max_new_tokens=12, gamma=4)
-    assert g2.start.info["auto"]["speculate"] is True
+    assert g2.start.forecast.speculate is True
     assert any(s.speculative for s in g2.steps)
     assert g2.token_ids == g.token_ids
 
@@ -154,4 +156,6 @@ def test_knapspec_is_lossless_and_reports_its_decisions(tiny):
     assert all(s.speculative for s in g.steps)
     notes = [s.note for s in g.steps if s.note]
     assert notes and notes[0].startswith("knapspec: re-optimised")
-    assert len(ks.history) == len(notes)
+    forecasts = [s.forecast for s in g.steps if s.forecast is not None]     # one per re-optimisation
+    assert len(forecasts) == len(notes) and forecasts[0].skip == g.steps[0].skip
+    assert forecasts[0].context_len == g.steps[0].context_len and 0 < forecasts[0].acceptance <= 1

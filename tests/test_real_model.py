@@ -1,10 +1,11 @@
 """The embedded SmolLM2-135M: loads offline, generates, speculation is lossless."""
 import pytest
 
-from ssd_core.bench_core import example_skip
-from ssd_core.decode import DecodeConfig
-from ssd_core.generate import generate
-from ssd_core.strategies import Autoregressive, Static
+from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.generate import generate
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
+from ssd_core.tools.microbench import example_skip
 
 pytestmark = pytest.mark.real
 
@@ -32,7 +33,7 @@ HF_NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def held_out_prompts(real_model):
     """One held-out prompt per domain (the last of each domain's held-out split), chat-templated."""
-    from ssd_core.domains import load_prompts, split
+    from ssd_core.calibration.domains import load_prompts, split
     return {d: real_model.encode(split(ps)[1][-1]) for d, ps in load_prompts().items()}
 
 
@@ -55,7 +56,7 @@ def committed_calibration(real_model):
 def test_greedy_output_equals_transformers_generate(real_model, held_out_prompts, hf_references,
                                                     committed_calibration, name):
     """7 held-out prompts (one per domain) × 64 new tokens: token for token what generate gives."""
-    from ssd_core.bench import cut_at_eos
+    from ssd_core.tools.reference import cut_at_eos
     cal = committed_calibration
     gamma = int(cal.meta.get("settings", {}).get("gamma", 4))
     cfg = DecodeConfig(max_new_tokens=HF_NEW_TOKENS, gamma=gamma)

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_core.decode import DecodeConfig
-from ssd_core.generate import generate
-from ssd_core.router import KnnStrategy, Route, Router, suggest_threshold
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Autoregressive
+from ssd_core.calibration.router import Route, Router, suggest_threshold
+from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.generate import generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.knn import KnnStrategy
 
 DOMAINS = ["summarization", "math", "translation", "story", "sql", "code", "qa"]
 DIM, PER_DOMAIN, HELD_OUT = 32, 40, 10
@@ -192,7 +193,8 @@ def test_knn_strategy_is_lossless(tiny, threshold):
         route = strategy.route
         assert route.unknown == (threshold == 1.0)
         assert route.skip == (FALLBACK if route.unknown else _sets()[route.domain])
-        assert spec.start.info["route"] == route.to_dict()
+        assert spec.start.route == route and spec.start.skip == route.skip
+        assert spec.start.domain == route.domain
         assert spec.stats.drafted > 0
         assert all(s.skip == route.skip for s in spec.steps)
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import ssd_core.decode as D
-from ssd_core.backbone import EMPTY
-from ssd_core.decode import DecodeConfig, Start, Step, _probs, _speculative_sample, decode
-from ssd_core.skipset import SkipSet
-from ssd_core.strategies import Static
+import ssd_core.engine.decode as D
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.decode import DecodeConfig, Start, Step, _probs, _speculative_sample, decode
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.static import Static
 from tiny import tiny_backbone
 
 GAMMA = 3
@@ -290,7 +290,7 @@ def test_bonus_token_comes_from_target_row_gamma():
 
 
 class _TorchWithRand:
-    """`torch` as seen by ssd_core.decode, except that `rand` returns a chosen value."""
+    """`torch` as seen by ssd_core.engine.decode, except that `rand` returns a chosen value."""
 
     def __init__(self, u: float):
         self._u = u

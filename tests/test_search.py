@@ -4,12 +4,12 @@ import json
 import pytest
 import torch
 
-from ssd_core.backbone import EMPTY
-from ssd_core.latency import LatencyModel
-from ssd_core.search import (STATIC, MatchData, SearchResult, build_match_data, default_initial,
-                             matchness, matchness_per_domain, merge, search_all, search_skip_set,
-                             searchable_layers, structured_candidates)
-from ssd_core.skipset import SkipSet
+from ssd_core.calibration.candidates import default_initial, searchable_layers, structured_candidates
+from ssd_core.calibration.latency import LatencyModel
+from ssd_core.calibration.matchness import MatchData, build_match_data, matchness, matchness_per_domain, merge
+from ssd_core.calibration.search import STATIC, SearchResult, search_all, search_skip_set
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.skipset import SkipSet
 from tiny import tiny_backbone
 
 PROMPTS = ["the quick brown fox", "hello world, again", "1+1=2, 2+2=", "abc def ghi"]
@@ -231,7 +231,7 @@ def test_static_mix_takes_a_balanced_share_of_each_domain(tiny, data, other):
 
 # --- KNN-SSD's mode: fixed skip ratio, maximise matchness ---------------------------------------------
 def test_matchness_mode_keeps_the_ratio_and_maximises_matchness(tiny, data):
-    from ssd_core.search import ratio_count
+    from ssd_core.calibration.candidates import ratio_count
     count = ratio_count(tiny.n_layers, 0.3)
     assert count == 3                       # 0.3 × 2 × 5 sublayers
     r = search_skip_set(tiny, data, latency_for(tiny.n_layers), budget=15, progress=False,
@@ -259,7 +259,7 @@ def test_matchness_mode_rejects_bad_settings(tiny, data):
 @pytest.mark.parametrize("mode", ["speed", "matchness"])
 def test_a_resumed_search_replays_without_forward_passes(tiny, data, mode, monkeypatch):
     """An interrupted search resumed from its memo gives the same answer and re-measures nothing."""
-    import ssd_core.search as search
+    import ssd_core.calibration.search as search
     lat = latency_for(tiny.n_layers)
     memo: dict = {}
     first = search_skip_set(tiny, data, lat, budget=12, seed=1, progress=False, mode=mode,
@@ -279,7 +279,7 @@ def test_a_resumed_search_replays_without_forward_passes(tiny, data, mode, monke
 
 
 def test_search_memo_on_disk_is_keyed_by_its_inputs(tmp_path):
-    from ssd_core.search_memo import SearchMemo, fingerprint
+    from ssd_core.calibration.search_memo import SearchMemo, fingerprint
     path = tmp_path / ".search_memo.json"
     fp = fingerprint(model="tiny", draft="int8", tokens=8)
     memo = SearchMemo(path, fp)

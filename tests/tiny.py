@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ssd_core.backbone import Backbone
+from ssd_core.engine.backbone import Backbone
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"

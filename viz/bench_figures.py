@@ -1,23 +1,22 @@
 """Benchmark figures: summary / answers data in → markdown tables and plotly figures out.
 
-Pure functions; the only file I/O is the explicit `save_figures(figs, out_dir)`.
+Pure functions, plus `render(folder)`, which writes the tables and figures of a folder that
+`python -m ssd_core.bench` or `python -m ssd_core.scaling` filled, beside its data:
+
+    python -m viz.bench_figures assets/bench/sample_run
 """
 from __future__ import annotations
 
+import argparse
+import json
 from collections import Counter
 from pathlib import Path
 
 import plotly.graph_objects as go
 
-STRATEGY_COLOURS = {
-    "ar": "#7f7f7f",
-    "static": "#ff7f0e",
-    "knn": "#2ca02c",
-    "oracle": "#9467bd",
-    "knapspec": "#1f77b4",
-    "auto": "#8c564b",
-    "hf_generate": "#17becf",
-}
+from ssd_core.policies.registry import BASELINE
+
+from .theme import STRATEGY_COLOURS
 
 
 def _colour(name: str) -> str:
@@ -144,7 +143,7 @@ def speedup_figure(summary: dict) -> go.Figure:
                              "tokens/s ÷ ar tokens/s", 1.0)
     cats = _categories(summary)
     for name, s in summary["strategies"].items():
-        if name == "ar":
+        if name == BASELINE:
             continue
         per = s.get("per_category", {})
         fig.add_trace(go.Scatter(
@@ -291,3 +290,53 @@ def save_figures(figs: dict[str, go.Figure], out_dir, png: bool = True) -> dict:
             break
         written["png"].append(str(path))
     return written
+
+
+# --- rendering a folder -------------------------------------------------------------------------
+def _answers(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def render(folder, png: bool = True) -> dict:
+    """Tables and figures of a bench folder (summary.json, <strategy>.jsonl) and / or a scaling folder
+    (scaling.json): writes results.md / scaling.md and the figures there.
+
+    Returns {"table": the markdown tables, "figures": what save_figures wrote}.
+    """
+    out = Path(folder)
+    bench_file, scaling_file = out / "summary.json", out / "scaling.json"
+    if not bench_file.exists() and not scaling_file.exists():
+        raise FileNotFoundError(f"{out} holds neither summary.json (python -m ssd_core.bench) nor "
+                                "scaling.json (python -m ssd_core.scaling)")
+    tables, figs = [], {}
+    if bench_file.exists():
+        summary = json.loads(bench_file.read_text(encoding="utf-8"))
+        answers = {name: _answers(out / f"{name}.jsonl") for name in summary["strategies"]}
+        (out / "results.md").write_text(markdown_report(summary), encoding="utf-8")
+        tables.append(overall_table(summary) + "\n\n" + category_table(summary))
+        figs.update(bench_figures(summary, answers))
+    if scaling_file.exists():
+        scaling = json.loads(scaling_file.read_text(encoding="utf-8"))
+        report = scaling_report(scaling)
+        (out / "scaling.md").write_text(report, encoding="utf-8")
+        tables.append(report)
+        figs["scaling"] = scaling_figure(scaling)
+    return {"table": "\n\n".join(tables), "figures": save_figures(figs, out, png=png)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="Render the tables and figures of a bench or scaling output folder.")
+    ap.add_argument("folder", help="what python -m ssd_core.bench / ssd_core.scaling wrote (--out)")
+    ap.add_argument("--no-png", action="store_true", help="HTML figures only (PNG needs kaleido)")
+    args = ap.parse_args(argv)
+    done = render(args.folder, png=not args.no_png)
+    print(done["table"])
+    figures = done["figures"]
+    print(f"\nwrote {len(figures['html'])} HTML and {len(figures['png'])} PNG figures to {args.folder}"
+          + (f" (PNG skipped: {figures['png_skipped']})" if figures["png_skipped"] else ""))
+
+
+if __name__ == "__main__":
+    main()

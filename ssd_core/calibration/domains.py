@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 DOMAINS = ("summarization", "math", "translation", "story", "sql", "code", "qa")
-DOMAIN_DIR = Path(__file__).resolve().parent.parent / "assets" / "domains"
+DOMAIN_DIR = Path(__file__).resolve().parents[2] / "assets" / "domains"
 HELD_OUT_EVERY = 4            # every 4th prompt (in a hash order) is held out
 
 
@@ -63,7 +63,7 @@ def held_out_questions(per_domain: int, skip: int = 0, domain_dir: Path | str = 
 
 
 def main(argv=None) -> None:
-    """python -m ssd_core.domains --held-out-questions N [--skip K] --out FILE"""
+    """python -m ssd_core.calibration.domains --held-out-questions N [--skip K] --out FILE"""
     import argparse
 
     ap = argparse.ArgumentParser(description="Write held-out domain prompts as a bench question file.")

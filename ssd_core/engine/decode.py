@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from .backbone import EMPTY, Backbone, PromptIds
+from ..policies.base import Decision, Forecast, Strategy
+from .backbone import EMPTY, Backbone
 from .draft import DRAFT_KINDS
 from .lookup import PromptLookup
+from .prompt import PromptIds
 from .skipset import SkipSet
+
+if TYPE_CHECKING:
+    from ..calibration.router import Route
 
 
 @dataclass(frozen=True)
@@ -57,26 +62,20 @@ def _finite(x) -> bool:
 
 
 @dataclass(frozen=True)
-class Decision:
-    """A strategy's answer for one step: the skip set to draft with, or None for autoregressive."""
-
-    skip: SkipSet | None
-    note: str = ""
-    info: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class Start:
-    """Emitted once, after prefill: the prompt, its first token and the strategy's routing."""
+    """Emitted once, after prefill: the prompt, its first token and the strategy's plan."""
 
     prompt_len: int
     first_token: int
     embedding: torch.Tensor
     prefill_s: float
     strategy: str
-    info: dict
     truncated: bool = False
-    draft: str = ""               # the draft's weights in words, e.g. "int8 draft, 8k-token head"
+    draft: str = ""                    # the draft's weights in words, e.g. "int8 draft, 8k-token head"
+    skip: SkipSet | None = None        # the first set the strategy will draft with, if it knows it yet
+    domain: str | None = None          # the domain it drafts for (knn: routed; oracle: given)
+    route: Route | None = None         # knn: the router's answer (votes, neighbours, similarity)
+    forecast: Forecast | None = None   # auto: the latency model's prediction it starts from
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,7 @@ class Step:
     note: str = ""
     finished: bool = False
     source: str = ""                  # who drafted: "model", "lookup" (prompt lookup) or "" (none)
+    forecast: Forecast | None = None  # the strategy's prediction when it (re)chose its set this step
 
     @property
     def speculative(self) -> bool:
@@ -106,25 +106,6 @@ class Step:
     def rejected(self) -> tuple[int, ...]:
         """Draft tokens the verifier threw away."""
         return self.drafted[self.accepted:]
-
-
-class Strategy:
-    """Which sublayers to skip for this prompt, now. Subclasses override `start` / `choose`."""
-
-    name = "ar"
-
-    def start(self, backbone: Backbone, prompt: PromptIds, embedding: torch.Tensor) -> dict:
-        """Called after prefill; returns info for the UI (routing etc.)."""
-        return {}
-
-    def choose(self, state: "DecodeState") -> Decision:
-        return Decision(None)
-
-    def update(self, step: Step) -> None:
-        """Told each step's outcome (e.g. to adapt)."""
-
-    # how many tokens to draft this step (latency.AdaptiveLength, set by Calibration.strategy)
-    length = None
 
 
 @dataclass
@@ -180,9 +161,10 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     pre = backbone.prefill(prompt, cache)
     first = int(pre.logits.argmax()) if config.greedy else _sample(_probs(pre.logits, config), gen)
     prefill_s = time.perf_counter() - t0
-    info = strategy.start(backbone, prompt, pre.embedding)
-    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, info, prompt.truncated,
-                draft=draft.label if draft is not None else "fp32 draft")
+    plan = strategy.start(backbone, prompt, pre.embedding)
+    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, prompt.truncated,
+                draft=draft.label if draft is not None else "fp32 draft", skip=plan.skip,
+                domain=plan.domain, route=plan.route, forecast=plan.forecast)
     tokens = list(prompt.ids) + [first]
     lookup = PromptLookup(tokens) if config.lookup else None
     generated = 1
@@ -282,7 +264,7 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
                 verified=verified, accepted=accepted, committed=committed, skip=skip,
                 draft_s=draft_s, verify_s=verify_s,
                 overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note,
-                source=source)
+                source=source, forecast=decision.forecast)
 
 
 def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:

@@ -58,12 +58,6 @@ class SkipSet:
         total = n_layers * (attn_params + mlp_params) + other_params
         return (len(self.attn) * attn_params + len(self.mlp) * mlp_params) / total
 
-    def skips_attn(self, layer: int) -> bool:
-        return layer in self.attn
-
-    def skips_mlp(self, layer: int) -> bool:
-        return layer in self.mlp
-
     def with_name(self, name: str) -> "SkipSet":
         return SkipSet(self.attn, self.mlp, name)
 

@@ -25,14 +25,13 @@ from typing import Iterator
 
 import numpy as np
 
+from ..engine.skipset import SkipSet
 from .domain_map import _sha256 as sha256_file  # one checksum function for every artefact
 from .domains import DOMAIN_DIR, domains_hash
-from .latency import AdaptiveLength, Auto, LatencyModel
-from .skipset import SkipSet
+from .latency import LatencyModel
 
 FORMAT_VERSION = 1
-CALIBRATION_ROOT = Path(__file__).resolve().parent.parent / "assets" / "calibration"
-STRATEGIES = ("ar", "static", "knn", "oracle", "knapspec", "auto")
+CALIBRATION_ROOT = Path(__file__).resolve().parents[2] / "assets" / "calibration"
 
 
 class CalibrationError(ValueError):
@@ -45,12 +44,12 @@ class Calibration:
     latency: LatencyModel
     domain_sets: dict[str, SkipSet]
     static: SkipSet
-    router: object                        # ssd_core.router.Router
+    router: object                        # calibration.router.Router
     matchness: dict[str, dict[str, float]]   # set name → domain → held-out matchness
     routing: dict = field(default_factory=dict)
     knapspec: dict = field(default_factory=dict)
     folder: Path | None = None
-    domain_map: object | None = None       # ssd_core.domain_map.DomainMap (loaded lazily)
+    domain_map: object | None = None       # calibration.domain_map.DomainMap (loaded lazily)
     # the cheap drafts (draft_calibration.py): {"head": {ids, size, coverage…}, "acceptance": {kind: {set: α}}}
     drafts: dict = field(default_factory=dict)
 
@@ -68,45 +67,15 @@ class Calibration:
         out["static"] = float(np.mean(list(m.values()))) if m else 0.5
         return out
 
-    def strategy(self, name: str, *, gamma: int = 4, k: int | None = None, vote: str | None = None,
-                 threshold: float | None = None, domain: str | None = None, category: str | None = None,
-                 inner: str = "knn", every: int = 32, draft: str = "int8", adaptive: bool = True):
+    def strategy(self, name: str, **settings):
         """A fresh Strategy object (one per request: strategies hold per-request state).
 
-        draft: the draft weights the decode will use (DecodeConfig.draft), so that costs and
-        acceptance come from that kind; adaptive: the latency model picks γ ≤ gamma every step.
+        settings: gamma, k, vote, threshold, domain, category, inner, every, draft, adaptive
+        (see policies.registry.build).
         """
-        strategy = self._strategy(name, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain,
-                                  category=category, inner=inner, every=every, draft=draft)
-        if adaptive and name not in ("ar", "auto"):
-            strategy.length = AdaptiveLength(self.latency, draft)
-        return strategy
+        from ..policies.registry import build   # the policies import this package
 
-    def _strategy(self, name, *, gamma, k, vote, threshold, domain, category, inner, every, draft):
-        from .knapspec import KnapSpec
-        from .router import KnnStrategy
-        from .strategies import Autoregressive, Oracle, Static
-
-        if name == "ar":
-            return Autoregressive()
-        if name == "static":
-            return Static(self.static)
-        if name == "knn":
-            return KnnStrategy(self.router, k=k, vote=vote, threshold=threshold)
-        if name == "oracle":
-            oracle = Oracle(self.domain_sets, self.static, domain)
-            return oracle.for_category(category) if category is not None else oracle
-        if name == "knapspec":
-            full = self.acceptance(draft).get("full", 1.0)
-            return KnapSpec(self.latency, gamma, kappa=self.knapspec.get("kappa", 8.0), every=every,
-                            kind=draft, agreement=full)
-        if name == "auto":
-            if inner == "auto":
-                raise ValueError("auto cannot wrap itself")
-            base = self._strategy(inner, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain,
-                                  category=category, inner=inner, every=every, draft=draft)
-            return Auto(base, self.latency, self.acceptance(draft), gamma, kind=draft)
-        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        return build(self, name, **settings)
 
     def load_domain_map(self):
         """The fitted UMAP, checksum-verified (raises DomainMapError on any mismatch)."""
@@ -348,5 +317,5 @@ def _check_model(meta: dict, backbone) -> None:
 
 
 def default_folder(spec: str | None) -> Path:
-    from .backbone import model_slug
+    from ..engine.loading import model_slug
     return CALIBRATION_ROOT / model_slug(spec)

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .backbone import EMPTY, Backbone
-from .decode import Decision, Strategy
-from .skipset import SkipSet
+from ..engine.backbone import EMPTY, Backbone
+from ..engine.skipset import SkipSet
 
 
 def expected_tokens(acceptance: float, gamma: int) -> float:
@@ -243,106 +242,3 @@ def fit_report(model: LatencyModel) -> list[dict]:
         out.append({"context": p["context"], "measured_ms": round(p["full_ms"], 2),
                     "predicted_ms": round(pred, 2), "error_pct": round(100 * (pred / p["full_ms"] - 1), 1)})
     return out
-
-
-# --- adaptive draft length -------------------------------------------------------------------------
-class AdaptiveLength:
-    """Chooses γ for each step from the measured costs and the acceptance seen so far in this run.
-
-    The acceptance estimate is a decayed count of accepted / tried draft positions (a rejected
-    position counts as one trial; positions after it were never tried), started from a prior. Lookup
-    drafts are not counted: they come from the prompt, not from the draft model.
-    """
-
-    def __init__(self, latency: LatencyModel, kind: str = "fp32", prior: float = 0.7,
-                 weight: float = 4.0, decay: float = 0.9):
-        self.latency, self.kind, self.decay = latency, kind, decay
-        self.hits, self.trials = prior * weight, weight
-
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.trials
-
-    def gamma(self, skip: SkipSet, context_len: int, max_gamma: int) -> int:
-        return self.latency.best_gamma(skip, self.acceptance, max_gamma, context_len, self.kind)
-
-    def update(self, step) -> None:
-        if step.source != "model":
-            return
-        tried = step.accepted + (1 if step.accepted < len(step.drafted) else 0)
-        self.hits = self.decay * self.hits + step.accepted
-        self.trials = self.decay * self.trials + tried
-
-
-# --- the auto policy ------------------------------------------------------------------------------
-class Auto(Strategy):
-    """Wraps a strategy; decodes autoregressively whenever the latency model predicts a loss.
-
-    Before the first step it predicts with the calibration's acceptance for the inner strategy's set;
-    then with the acceptance measured in this run (its `length` controller). While the prediction is
-    below 1× it decodes autoregressively, trying one speculative step every `probe_every` steps so the
-    estimate can recover.
-    """
-
-    def __init__(self, inner: Strategy, latency: LatencyModel, acceptance: dict[str, float],
-                 gamma: int, default_acceptance: float = 0.5, kind: str = "fp32", probe_every: int = 8):
-        self.inner, self.latency, self.acceptance = inner, latency, acceptance
-        self.gamma, self.default_acceptance = gamma, default_acceptance
-        self.kind, self.probe_every = kind, probe_every
-        self.name = "auto"
-        self.fallback_note = ""
-        self.length = AdaptiveLength(latency, kind)
-        self._ar_run = 0
-
-    def start(self, backbone, prompt, embedding) -> dict:
-        info = dict(self.inner.start(backbone, prompt, embedding))
-        probe = self.inner.choose(_Probe(len(prompt)))
-        skip = probe.skip
-        self._ar_run = 0
-        if skip is None:
-            info["auto"] = {"speculate": False, "reason": "inner strategy is autoregressive"}
-            self.fallback_note = "auto: autoregressive"
-            return info
-        acc = self.acceptance.get(skip.name, self.default_acceptance)
-        self.length = AdaptiveLength(self.latency, self.kind, prior=acc)
-        gamma = self.latency.best_gamma(skip, acc, self.gamma, len(prompt), self.kind)
-        pred = self.latency.expected_speedup(skip, acc, gamma, len(prompt), self.kind)
-        self.fallback_note = ""
-        info["auto"] = {"speculate": pred >= 1.0, "predicted_speedup": pred, "acceptance": acc,
-                        "gamma": gamma, "skip": skip.name, "draft": self.kind}
-        return info
-
-    def choose(self, state) -> Decision:
-        if self.fallback_note:
-            return Decision(None, note=self.fallback_note)
-        decision = self.inner.choose(state)
-        if decision.skip is None:
-            return decision
-        acc = self.length.acceptance
-        ctx = state.cache.length if state.cache is not None else 256
-        gamma = self.length.gamma(decision.skip, ctx, self.gamma)
-        pred = self.latency.expected_speedup(decision.skip, acc, gamma, ctx, self.kind)
-        if pred < 1.0:
-            self._ar_run += 1
-            if self._ar_run % self.probe_every:
-                return Decision(None, note=f"auto: predicted {pred:.2f}× at acceptance {acc:.2f} → "
-                                           "autoregressive")
-        else:
-            self._ar_run = 0
-        return decision
-
-    def update(self, step) -> None:
-        self.inner.update(step)
-
-
-@dataclass
-class _Probe:
-    """A stand-in DecodeState for asking a strategy its first choice before decoding starts."""
-
-    context_len: int
-    generated: int = 0
-    steps: int = 0
-    tokens: list = field(default_factory=list)
-    backbone: object = None
-    cache: object = None
-    config: object = None

@@ -5,13 +5,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from ..policies.base import Strategy
 from .backbone import Backbone
-from .decode import DecodeConfig, Start, Step, Strategy, decode
+from .decode import DecodeConfig, Start, Step, decode
 
 
 @dataclass(frozen=True)
 class Stats:
-    """The field's figures for one generation (DESIGN.md §5)."""
+    """The field's figures for one generation: τ, α and tokens/s as speculative decoding defines them."""
 
     new_tokens: int
     steps: int                 # verification steps (autoregressive steps count as one each)

@@ -1,6 +1,6 @@
 """Which matmul kernel should the draft use on this CPU? One token through each of the model's matrices.
 
-    python -m ssd_core.bench_kernels [--threads 2] [--out assets/bench/kernels.json]
+    python -m ssd_core.tools.kernels [--threads 2] [--out assets/bench/kernels.json]
 
 Candidates, all in PyTorch's CPU build: fp32 `F.linear` (the verifier's own), bf16 weights,
 `_weight_int8pack_mm` (int8 weights; fp32 or bf16 activations), `_weight_int4pack_mm_for_cpu`
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .draft import _int8_pack, _int8_linear
+from ..engine.draft import _int8_linear, _int8_pack
 
 # one decoder layer's matrices and the lm_head of SmolLM2-135M (out × in)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

@@ -15,12 +15,12 @@ import statistics
 
 import torch
 
-from .decode import DecodeConfig
-from .draft import DRAFT_KINDS, frequent_tokens
-from .generate import generate
-from .search import build_match_data, matchness
-from .skipset import SkipSet
-from .strategies import Static
+from ..engine.decode import DecodeConfig
+from ..engine.draft import DRAFT_KINDS, frequent_tokens
+from ..engine.generate import generate
+from ..engine.skipset import SkipSet
+from ..policies.static import Static
+from .matchness import build_match_data, matchness
 
 HEAD_SIZES = (2048, 4096, 8192, 16384, 32768)
 FULL = "full"                     # the acceptance key of the bare draft (no sublayer skipped)
@@ -73,7 +73,7 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
                      progress: bool = True) -> dict[str, dict[str, float]]:
     """kind → set name → held-out matchness on its own domain (static and 'full': mean over domains).
 
-    data: domain → search.MatchData of held-out prompts (the full model's continuations).
+    data: domain → matchness.MatchData of held-out prompts (the full model's continuations).
     """
     out: dict[str, dict[str, float]] = {}
     for kind in kinds:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from .decode import Decision, Strategy
-from .skipset import SkipSet
+from ..engine.skipset import SkipSet
 
 VOTES = ("majority", "weighted")
 KINDS = ("prompt", "centroid")
@@ -276,26 +275,3 @@ def suggest_threshold(router: Router, embeddings_by_domain: dict[str, np.ndarray
         raise ValueError("suggest_threshold needs at least one held-out embedding")
     sims = router.nearest_similarities(np.concatenate(vecs))
     return float(np.clip(np.percentile(sims, percentile) - margin, -1.0, 1.0))
-
-
-class KnnStrategy(Strategy):
-    """KNN-SSD: route the prompt once after prefill, then draft every step with that set."""
-
-    name = "knn"
-
-    def __init__(self, router: Router, k: int | None = None, vote: str | None = None,
-                 threshold: float | None = None):
-        self.router = router
-        self.settings = {"k": k, "vote": vote, "threshold": threshold}
-        self.route: Route | None = None    # one instance serves one request, so this is per prompt
-
-    def start(self, backbone, prompt, embedding) -> dict:
-        route = self.router.route(embedding, **self.settings)
-        route.skip.validate(backbone.n_layers)
-        self.route = route
-        return {"route": route.to_dict(), "domain": route.domain, "skip": route.skip.to_dict()}
-
-    def choose(self, state) -> Decision:
-        if self.route is None:
-            raise RuntimeError("KnnStrategy.choose called before start (no prompt routed yet)")
-        return Decision(self.route.skip, note=f"knn: {self.route.domain or 'unknown'}")

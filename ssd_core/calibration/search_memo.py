@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .calibration import atomic_write
+from .artifact import atomic_write
 
 
 def fingerprint(**inputs) -> str:

@@ -1,0 +1,347 @@
+"""Rebuild every calibration artefact for a model from assets/domains/*.jsonl.
+
+    python -m ssd_core.calibrate --model SPEC --out assets/calibration/<slug>
+
+Steps (each with a progress bar): small draft head → latency profile (fp32 and each draft kind) →
+teacher-forcing data →
+per-domain + static skip-set search (mode "speed" or KNN-SSD's "matchness" at a fixed skip ratio;
+resumable) → held-out matchness matrix → the domain check (a domain set that does not beat the
+static set on its own held-out prompts by `--check-margin` is replaced by the static set, loudly) →
+acceptance per draft kind → prompt embeddings (two poolings compared) → KNN router + threshold →
+routing on assets/routing_check/ (prompts written after the anchors) → KnapSpec κ → UMAP.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..engine.backbone import Backbone
+from ..engine.draft import DRAFT_KINDS
+from ..engine.loading import load_backbone
+from ..policies.knapspec import fit_kappa, prompt_similarity
+from . import artifact as cal_io
+from .candidates import ratio_count
+from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
+from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
+from .latency import fit_report, profile
+from .matchness import build_match_data, matchness_per_domain
+from .router import Router, suggest_threshold
+from .search import SEARCH_MODES, search_all
+from .search_memo import SearchMemo, fingerprint
+
+ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
+MEMO_NAME = ".search_memo.json"
+
+log = logging.getLogger("ssd_core.calibrate")
+
+
+def embed_prompts(bb: Backbone, prompts: list[str], max_prompt_tokens: int, desc: str,
+                  progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(user-token pooling, whole-template pooling) embeddings from the prefill."""
+    user, whole = [], []
+    for p in tqdm(prompts, desc=desc, disable=not progress, leave=False):
+        ids = bb.encode(p, max_tokens=max_prompt_tokens)
+        pre = bb.prefill(ids, bb.new_cache(len(ids) + 1))
+        user.append(pre.embedding.float().numpy())
+        whole.append(pre.embedding_all.float().numpy())
+    return np.stack(user), np.stack(whole)
+
+
+def _kappa_points(bb, results, prompts_by_domain, max_prompt_tokens) -> list[tuple[float, float]]:
+    """(loss under the knapsack's measure, searched matchness) for every trial of every search."""
+    points = []
+    for domain, res in results.items():
+        sims = [prompt_similarity(bb, bb.encode(p, max_tokens=max_prompt_tokens).ids)
+                for p in prompts_by_domain[domain][:4]]
+        attn = np.mean([s[0] for s in sims], axis=0)
+        mlp = np.mean([s[1] for s in sims], axis=0)
+        for h in res.history:
+            loss = sum(1 - attn[i] for i in h["attn"]) + sum(1 - mlp[i] for i in h["mlp"])
+            points.append((float(loss), float(h["matchness"])))
+    return points
+
+
+def check_domain_sets(matrix: dict, domain_sets: dict, margin: float) -> dict:
+    """Does each domain's set beat the static set on the domain's own held-out prompts by `margin`?
+
+    matrix: set name → domain → held-out matchness (with a "static" row). Returns, per domain, own
+    (its set on its prompts), static (the static set on them), other (its set on the other
+    domains, mean), gain = own - static and passed.
+    """
+    out = {}
+    for d in domain_sets:
+        own, base = matrix[d][d], matrix["static"][d]
+        others = [v for k, v in matrix[d].items() if k != d]
+        out[d] = {"own": round(own, 4), "static": round(base, 4),
+                  "other": round(float(np.mean(others)), 4) if others else None,
+                  "gain": round(own - base, 4), "passed": bool(own >= base + margin)}
+    return out
+
+
+def routing_check(router: Router, bb: Backbone, max_prompt_tokens: int, folder: Path = ROUTING_CHECK_DIR,
+                  progress: bool = True) -> dict | None:
+    """Routing accuracy (and the routes taken) on prompts written after the anchors were fixed."""
+    if not all((Path(folder) / f"{d}.jsonl").exists() for d in router.domain_sets):
+        return None
+    prompts = load_prompts(folder, tuple(router.domain_sets))
+    emb = {d: embed_prompts(bb, ps, max_prompt_tokens, f"routing check {d}", progress)[0]
+           for d, ps in prompts.items()}
+    routed = {d: [router.route(e).domain or "unknown" for e in vecs] for d, vecs in emb.items()}
+    return {"accuracy": {k: round(v, 4) for k, v in router.accuracy(emb).items()},
+            "routed_to": {d: {k: r.count(k) for k in sorted(set(r))} for d, r in routed.items()},
+            "prompts": sum(len(v) for v in prompts.values())}
+
+
+def predicted_speedups(latency, domain_sets, static, matrix, gamma, drafts=None) -> dict:
+    """Each set's predicted speedup at its held-out acceptance (static: mean over domains).
+
+    With draft numbers (draft_calibration.py): also per draft kind, at the best γ ≤ gamma, as
+    {kind: {set: speedup}} under "by_draft".
+    """
+    out = {}
+    for name, skip in [*domain_sets.items(), ("static", static)]:
+        row = matrix[name]
+        acc = float(np.mean(list(row.values()))) if name == "static" else row.get(name, 0.0)
+        out[name] = round(latency.expected_speedup(skip, acc, gamma), 4)
+    by_draft = {}
+    for kind, accs in ((drafts or {}).get("acceptance") or {}).items():
+        sets = {**domain_sets, "static": static, "full": type(static).empty()}
+        by_draft[kind] = {}
+        for name, skip in sets.items():
+            acc = accs.get(name, 0.0)
+            g = latency.best_gamma(skip, acc, gamma, kind=kind)
+            by_draft[kind][name] = round(latency.expected_speedup(skip, acc, g, kind=kind), 4)
+    if by_draft:
+        out["by_draft"] = by_draft
+    return out
+
+
+def reprofile(folder: Path, model: str | None = None, progress: bool = True) -> cal_io.Calibration:
+    """Re-measure only the latency model (e.g. on a quiet machine) and rewrite the calibration."""
+    bb = load_backbone(model, threads=torch.get_num_threads())
+    cal = cal_io.load(folder, bb)
+    t = time.perf_counter()
+    prompts = load_prompts()
+    head = head_for_domains(bb, prompts, progress=progress)
+    data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"])
+    cal.drafts = {"head": head, "acceptance": draft_acceptance(
+        bb, {**cal.domain_sets, "static": cal.static}, data, progress=progress)}
+    cal.meta["timings"]["drafts_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    cal.latency = profile(bb, progress=progress)
+    gamma = cal.meta["settings"]["gamma"]
+    cal.meta["timings"]["latency_s"] = round(time.perf_counter() - t, 1)
+    cal.meta["latency_fit"] = fit_report(cal.latency)
+    cal.meta["machine"]["threads"] = torch.get_num_threads()
+    cal.meta["predicted_speedup"] = predicted_speedups(cal.latency, cal.domain_sets, cal.static,
+                                                       cal.matchness, gamma, cal.drafts)
+    cal.meta.pop("files", None)
+    cal_io.save(cal, folder)
+    return cal_io.load(folder, bb)
+
+
+def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
+              prompts_per_domain: int = 10, held_out_per_domain: int = 6, continuation_tokens: int = 24,
+              max_prompt_tokens: int = 256, domain_dir: Path = DOMAIN_DIR, seed: int = 0,
+              backbone: Backbone | None = None, profile_kw: dict | None = None,
+              umap: bool = True, progress: bool = True,
+              min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
+              skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True
+              ) -> cal_io.Calibration:
+    """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
+
+    search_mode "speed" maximises predicted speedup above that floor; "matchness" (KNN-SSD) fixes
+    every set at `skip_ratio` of the 2·L sublayers and maximises matchness. check_margin: how much
+    a domain's set must beat the static set on its own held-out prompts to be kept. resume: reuse
+    the matchness memo an interrupted run left in `out` (same model, draft and data only).
+
+    A skip set must skip something (else the draft is just the draft weights); with the int8 draft
+    on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
+    default floor is 2 sublayers (3%) and the search maximises predicted tokens per unit time above
+    it. With that floor every domain of the default model got the same set (see the README).
+    """
+    t_start = time.perf_counter()
+    timings = {}
+    bb = backbone or load_backbone(model, threads=torch.get_num_threads())
+    prompts = load_prompts(domain_dir)
+    splits = {d: split(ps) for d, ps in prompts.items()}
+
+    t = time.perf_counter()                # the small draft head first: the profile times the draft with it
+    head = head_for_domains(bb, prompts, max_prompt_tokens=max_prompt_tokens, progress=progress)
+    timings["draft_head_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    latency = profile(bb, progress=progress, **(profile_kw or {}))
+    timings["latency_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    search_data = {d: build_match_data(bb, s[0][:prompts_per_domain], continuation_tokens,
+                                       max_prompt_tokens, progress=progress) for d, s in splits.items()}
+    held_data = {d: build_match_data(bb, s[1][:held_out_per_domain], continuation_tokens,
+                                     max_prompt_tokens, progress=progress) for d, s in splits.items()}
+    timings["match_data_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
+    memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
+        model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
+        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4))
+    if not resume:
+        memo.data = {}
+    elif memo.size and progress:
+        print(f"resuming the search: {memo.size} matchness values from {memo.path}")
+    results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
+                                 progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
+                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo)
+    timings["search_s"] = time.perf_counter() - t
+    searched = {d: r.skip for d, r in results.items()}
+
+    t = time.perf_counter()
+    matrix = {}
+    for name, skip in tqdm([*searched.items(), ("static", static.skip)], desc="held-out matchness",
+                           disable=not progress):
+        matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(
+            bb, skip, held_data, bb.draft_weights(draft)).items()}
+    check = check_domain_sets(matrix, searched, check_margin)
+    domain_sets = {d: s if check[d]["passed"] else static.skip.with_name(d) for d, s in searched.items()}
+    for d, c in check.items():
+        if not c["passed"]:
+            matrix[d] = dict(matrix["static"])
+            log.warning("CHECK FAILED for domain %s: its searched set %s does not beat the static set "
+                        "on its own held-out prompts (%.3f vs %.3f, margin %.2f); it routes to the "
+                        "static set", d, searched[d], c["own"], c["static"], check_margin)
+    drafts = {"head": head, "acceptance": draft_acceptance(bb, {**domain_sets, "static": static.skip},
+                                                           held_data, progress=progress)}
+    timings["matchness_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    emb = {d: [embed_prompts(bb, part, max_prompt_tokens, f"embed {d}/{which}", progress)
+               for which, part in zip(("cal", "held"), s)] for d, s in splits.items()}
+    routing = {}
+    routers = {}
+    for pooling, col in (("user", 0), ("all", 1)):
+        r = Router.build({d: e[0][col] for d, e in emb.items()}, {d: s[0] for d, s in splits.items()},
+                         domain_sets, static.skip, seed=seed, threshold=-1.0)
+        held = {d: e[1][col] for d, e in emb.items()}
+        thr = suggest_threshold(r, held)
+        r = r.with_settings(threshold=thr)
+        routers[pooling] = r
+        routing[pooling] = {"threshold": round(thr, 4),
+                            "accuracy": {k: round(v, 4) for k, v in r.accuracy(held).items()},
+                            "accuracy_majority": {k: round(v, 4) for k, v in
+                                                  r.accuracy(held, vote="majority").items()}}
+    # The app and the bench route on the user-token embedding (decode.Start.embedding).
+    routing["used"] = "user"
+    router = routers["user"]
+    outside = routing_check(router, bb, max_prompt_tokens, progress=progress)
+    if outside is not None:
+        routing["check_set"] = outside
+    timings["router_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    kappa = fit_kappa(_kappa_points(bb, results, {d: s[0] for d, s in splits.items()}, max_prompt_tokens))
+    timings["kappa_s"] = time.perf_counter() - t
+
+    domain_map = None
+    if umap:
+        from .domain_map import DomainMap
+        t = time.perf_counter()
+        domain_map = DomainMap.fit(router.vectors, seed=seed)
+        timings["umap_s"] = time.perf_counter() - t
+
+    timings["total_s"] = time.perf_counter() - t_start
+    meta = {
+        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden,
+        "domains": list(prompts), "domains_hash": domains_hash(domain_dir),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"processor": platform.processor() or platform.machine(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "settings": {"budget": budget, "gamma": gamma, "prompts_per_domain": prompts_per_domain,
+                     "held_out_per_domain": held_out_per_domain,
+                     "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
+                     "seed": seed, "min_skip_ratio": min_skip_ratio, "min_skipped": min_skipped,
+                     "search_draft": draft, "matchness_draft": draft, "search_mode": search_mode,
+                     "skip_ratio": skip_ratio if search_mode == "matchness" else None,
+                     "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
+                     if search_mode == "matchness" else None, "check_margin": check_margin},
+        "check": check,
+        "searched_sets": {d: s.to_dict() for d, s in searched.items()},
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+        "latency_fit": fit_report(latency),
+        "search": {name: {"matchness": round(r.matchness, 4), "objective": round(r.objective, 4),
+                          "initial_objective": round(r.initial_objective, 4), "trials": r.trials}
+                   for name, r in [*results.items(), ("static", static)]},
+        "skip_weight_ratio": {name: round(bb.skip_weight_ratio(s), 4)
+                              for name, s in [*domain_sets.items(), ("static", static.skip)]},
+        "predicted_speedup": predicted_speedups(latency, domain_sets, static.skip, matrix, gamma, drafts),
+    }
+    cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static.skip,
+                             router=router, matchness=matrix, routing=routing,
+                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts)
+    history = {name: r.to_dict() for name, r in [*results.items(), ("static", static)]}
+    cal_io.save(cal, out, domain_map, extra_json={"search_history.json": history})
+    memo.remove()
+    return cal_io.load(out, bb, domain_dir)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF id, local folder or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--out", default=None, help="output folder (default: assets/calibration/<slug>)")
+    ap.add_argument("--budget", type=int, default=60, help="search trials per domain (and for static)")
+    ap.add_argument("--gamma", type=int, default=4, help="draft length the search optimises for")
+    ap.add_argument("--prompts-per-domain", type=int, default=10)
+    ap.add_argument("--held-out-per-domain", type=int, default=6)
+    ap.add_argument("--continuation-tokens", type=int, default=24)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-skip-ratio", type=float, default=0.03,
+                    help="least share of sublayers every searched set skips (0: unconstrained)")
+    ap.add_argument("--draft", default="int8", choices=DRAFT_KINDS,
+                    help="draft weights the sets are searched for (matchness and costs of that kind)")
+    ap.add_argument("--search-mode", default="speed", choices=SEARCH_MODES,
+                    help="speed: maximise predicted tokens per unit time above --min-skip-ratio; "
+                         "matchness: KNN-SSD's search, every set skips exactly --skip-ratio of the "
+                         "sublayers and the search maximises matchness")
+    ap.add_argument("--skip-ratio", type=float, default=0.25,
+                    help="share of the 2·L sublayers every set skips in --search-mode matchness")
+    ap.add_argument("--check-margin", type=float, default=0.02,
+                    help="held-out matchness by which a domain set must beat the static set on its "
+                         "own domain; a set that does not routes to the static set")
+    ap.add_argument("--fresh", action="store_true",
+                    help="ignore the matchness memo an interrupted run left in --out")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reprofile", action="store_true",
+                    help="only re-measure the latency model and the draft calibration (small head, "
+                         "acceptance per draft kind) of an existing calibration")
+    ap.add_argument("--no-umap", action="store_true", help="skip the UMAP fit (no domain map in the app)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out else cal_io.default_folder(args.model)
+    if args.reprofile:
+        cal = reprofile(out, args.model)
+        print(json.dumps({"out": str(out), "latency_fit": cal.meta["latency_fit"],
+                          "predicted_speedup": cal.meta["predicted_speedup"]}, indent=1))
+        return
+    cal = calibrate(args.model, out, budget=args.budget, gamma=args.gamma,
+                    prompts_per_domain=args.prompts_per_domain, held_out_per_domain=args.held_out_per_domain,
+                    continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                    seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
+                    draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
+                    check_margin=args.check_margin, resume=not args.fresh)
+    print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
+                      "search": cal.meta["search"], "check": cal.meta["check"],
+                      "matchness": cal.matchness}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

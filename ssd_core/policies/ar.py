@@ -1,0 +1,10 @@
+"""Autoregressive decoding: the baseline every speedup is measured against."""
+from __future__ import annotations
+
+from .base import Strategy
+
+
+class Autoregressive(Strategy):
+    """Plain decoding: every step is one full forward."""
+
+    name = "ar"
