@@ -32,6 +32,12 @@ class Prefill:
     embedding_all: torch.Tensor   # the same, pooled over the whole templated prompt
 
 
+def _rope(x, cos, sin):
+    """Rotary position embedding, rotate-half form (transformers' Llama layout)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
 class KVCache:
     """Preallocated keys/values for every layer; `length` positions are valid."""
 
@@ -197,45 +203,20 @@ class Backbone:
         layers, lin = (self.layers, F.linear) if draft is None else (draft.layers, draft.linear)
         if not torch.is_tensor(ids):
             ids = torch.tensor(ids, dtype=torch.long)
-        T = ids.shape[0]
-        p0 = cache.length
-        end = p0 + T
+        p0, end = cache.length, cache.length + ids.shape[0]
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")
-        x = self.embed[ids]
-        cos, sin = self.cos[p0:end], self.sin[p0:end]
-        H, Hk, hd, g = self.n_heads, self.n_kv, self.head_dim, self.group
-        if T > 1:
-            # causal mask for queries at p0..end-1 over keys 0..end-1, repeated for the GQA group
-            mask = (torch.arange(end).unsqueeze(0) <= torch.arange(p0, end).unsqueeze(1)).repeat(g, 1)
-        else:
-            mask = None
-        half = hd // 2
+        rope, mask = (self.cos[p0:end], self.sin[p0:end]), self._causal_mask(p0, end)
         attn_skip, mlp_skip = skip.attn, skip.mlp
-        for i, L in enumerate(layers):
+        x = self.embed[ids]
+        for i, L in enumerate(layers):          # a skipped sublayer adds nothing: h stays h
             if i not in attn_skip:
-                h = F.rms_norm(x, (self.hidden,), L.ln1, self.eps)
-                qkv = lin(h, L.wqkv, L.bqkv)
-                q = qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1)
-                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1)
-                v = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
-                q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-                k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
-                cache.k[i, :, p0:end] = k
-                cache.v[i, :, p0:end] = v
-                # GQA without copying K/V: the g query heads sharing a KV head become g·T rows
-                o = F.scaled_dot_product_attention(
-                    q.reshape(Hk, g * T, hd), cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
-                o = o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-                delta = lin(o, L.wo)
+                delta = self._attention(x, L, lin, cache, i, p0, rope, mask)
                 if collect is not None:
                     collect.append((i, "attn", x, x + delta))
                 x = x + delta
             if i not in mlp_skip:
-                h = F.rms_norm(x, (self.hidden,), L.ln2, self.eps)
-                gu = lin(h, L.wgu)
-                gate, up = gu.chunk(2, -1)
-                delta = lin(F.silu(gate) * up, L.wdown)
+                delta = self._mlp(x, L, lin)
                 if collect is not None:
                     collect.append((i, "mlp", x, x + delta))
                 x = x + delta
@@ -247,6 +228,31 @@ class Backbone:
             return x
         out = F.linear(x, self.lm_head) if draft is None else draft.head(x)
         return out[0] if logits == "last" else out
+
+    def _attention(self, x, L: _Layer, lin, cache: KVCache, i: int, p0: int, rope, mask):
+        """One attention sublayer's Δ; writes layer i's keys / values for positions p0.. to the cache."""
+        T, end = x.shape[0], p0 + x.shape[0]
+        H, Hk, hd, g = self.n_heads, self.n_kv, self.head_dim, self.group
+        qkv = lin(F.rms_norm(x, (self.hidden,), L.ln1, self.eps), L.wqkv, L.bqkv)
+        q = _rope(qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1), *rope)
+        k = _rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1), *rope)
+        cache.k[i, :, p0:end] = k
+        cache.v[i, :, p0:end] = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
+        # GQA without copying K/V: the g query heads sharing a KV head become g·T rows
+        o = F.scaled_dot_product_attention(
+            q.reshape(Hk, g * T, hd), cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
+        return lin(o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd), L.wo)
+
+    def _mlp(self, x, L: _Layer, lin):
+        """One SiLU-gated MLP sublayer's Δ (gate and up in one matmul)."""
+        gate, up = lin(F.rms_norm(x, (self.hidden,), L.ln2, self.eps), L.wgu).chunk(2, -1)
+        return lin(F.silu(gate) * up, L.wdown)
+
+    def _causal_mask(self, p0: int, end: int):
+        """Queries at p0..end-1 over keys 0..end-1, repeated for the GQA group (None for one token)."""
+        if end - p0 <= 1:
+            return None
+        return (torch.arange(end).unsqueeze(0) <= torch.arange(p0, end).unsqueeze(1)).repeat(self.group, 1)
 
     @torch.inference_mode()
     def prefill(self, prompt: PromptIds, cache: KVCache) -> Prefill:
