@@ -95,12 +95,13 @@ def test_layer_map_shows_the_set_in_use_above_every_domain_set(tiny_calibration)
     assert vlayers.layer_map(n).layout.annotations                     # nothing to show, said in words
 
 
-def test_cost_model_numbers_are_consistent():
-    assert vcost.speedup(0.0, 0.5, 1.0, 4) == pytest.approx(1 / 3)
-    assert vcost.speedup(1.0, 0.1, 1.0, 4) == pytest.approx(5 / 1.4, rel=1e-6)
-    assert vcost.break_even(0.9, 1.5, 4) is None
-    be = vcost.break_even(0.3, 1.0, 4)
-    assert 0 < be < 1 and vcost.speedup(be, 0.3, 1.0, 4) >= 1.0
+def test_cost_panel_shows_the_latency_models_numbers(tiny_calibration):
+    lat, skip = tiny_calibration.latency, tiny_calibration.static
+    b = lat.breakdown(skip, 0.6, 4, 64)
+    assert b["best_speedup"] == pytest.approx(lat.expected_speedup(skip, 1.0, 4, 64))
+    assert b["break_even"] == lat.break_even_acceptance(skip, 4, 64)
+    html = vcost.cost_html(b, strategy="static set", skip_name="static", alpha=0.6, tau=None)
+    assert f"= {b['predicted_speedup']:.2f}×" in html and f"{b['best_speedup']:.2f}×" in html
 
 
 def test_step_through_phases_reveal_more_each_click():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_core.calibration.latency import LatencyModel, expected_tokens, fit_report, profile
+from ssd_core.calibration.latency import (LatencyModel, acceptance_for_tau, break_even, expected_tokens, fit_report,
+                                          profile, speedup)
 from ssd_core.engine.backbone import EMPTY
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
@@ -27,6 +28,16 @@ def test_expected_tokens_formula():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_speedup_formula_break_even_and_its_inverse():
+    assert speedup(0.0, 0.5, 1.0, 4) == pytest.approx(1 / 3)
+    assert speedup(1.0, 0.1, 1.0, 4) == pytest.approx(5 / 1.4, rel=1e-6)
+    assert break_even(0.9, 1.5, 4) is None
+    be = break_even(0.3, 1.0, 4)
+    assert 0 < be < 1 and speedup(be, 0.3, 1.0, 4) >= 1.0
+    assert acceptance_for_tau(expected_tokens(0.6, 4), 4) == pytest.approx(0.6, abs=1e-9)
+    assert acceptance_for_tau(5.0, 4) == 1.0
 
 
 def test_expected_speedup_by_hand():

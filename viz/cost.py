@@ -2,6 +2,8 @@
 
 speedup = E[tokens per step] / (γ·c + v): c is one draft step and v one verification pass, both
 relative to one full autoregressive step, and E = (1 − α^(γ+1)) / (1 − α) for acceptance α.
+Every number comes from the core's latency model (calibration.latency): the panel reads a
+`LatencyModel.breakdown`, and the what-if chart evaluates `latency.speedup` over its grid.
 """
 from __future__ import annotations
 
@@ -9,37 +11,13 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ssd_core.calibration.latency import acceptance_for_tau as effective_acceptance
+from ssd_core.calibration.latency import speedup
+
 from .theme import ACCEPTED, INK, MUTED, REJECTED, base_layout
 from .tokens import escape
 
 GPU_VERIFY = 1.03     # a large model on a GPU: verifying γ+1 tokens costs about one step (memory-bound)
-
-
-def expected_tokens(alpha, gamma: int):
-    a = np.clip(np.asarray(alpha, dtype=float), 0.0, 1.0 - 1e-9)
-    return (1.0 - a ** (gamma + 1)) / (1.0 - a)
-
-
-def speedup(alpha, c, v, gamma: int):
-    return expected_tokens(alpha, gamma) / (gamma * np.asarray(c, dtype=float) + v)
-
-
-def effective_acceptance(tau: float, gamma: int) -> float:
-    """The i.i.d. acceptance that would give this τ (accepts come in runs, so it beats the raw α)."""
-    lo, hi = 0.0, 1.0
-    if tau >= gamma + 1:
-        return 1.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if float(expected_tokens(mid, gamma)) < tau else (lo, mid)
-    return (lo + hi) / 2
-
-
-def break_even(c: float, v: float, gamma: int) -> float | None:
-    """Smallest acceptance with speedup ≥ 1 (None: even α = 1 loses)."""
-    grid = np.linspace(0, 1, 2001)
-    ok = speedup(grid, c, v, gamma) >= 1.0
-    return float(grid[np.argmax(ok)]) if ok.any() else None
 
 
 def measured_costs(steps, full_step_s: float) -> dict:
@@ -77,10 +55,7 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
               alpha_source: str = "this run") -> str:
     """b: LatencyModel.breakdown(...) for the set in use at this run's acceptance."""
     g, c, v, e = b["gamma"], b["draft_cost"], b["verify_cost"], b["expected_tokens"]
-    step = b["step_cost"]
-    pred = b["predicted_speedup"]
-    best = (g + 1) / step
-    be = break_even(c, v, g)
+    step, pred, best, be = b["step_cost"], b["predicted_speedup"], b["best_speedup"], b["break_even"]
     m = measured or {}
     rows = [
         _row("draft cost c", f"{c:.2f} of a full step",
@@ -124,12 +99,11 @@ def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float |
     c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read)."""
     alphas = np.linspace(0, 1, 51)
     cs = np.linspace(0.05, 1.0, 40)
-    A, C = np.meshgrid(alphas, cs)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
         f"this model on this CPU · v = {v_here:.2f}", f"large model on a GPU · v ≈ {v_big:.2f}"))
     scale = [[0.0, "#e8a59c"], [1 / 3, REJECTED.tint], [1 / 3 + 1e-3, ACCEPTED.tint], [1.0, ACCEPTED.key]]
     for col, v in ((1, v_here), (2, v_big)):
-        z = speedup(A, C, v, gamma)
+        z = np.array([[speedup(a, c, v, gamma) for a in alphas] for c in cs])
         fig.add_trace(go.Contour(
             x=alphas, y=cs, z=np.round(z, 3).tolist(), zmin=0, zmax=3, colorscale=scale,
             contours=dict(start=0.25, end=3.0, size=0.25, showlabels=True,
@@ -151,7 +125,7 @@ def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float |
                 textposition=("bottom" if c > 0.8 else "top") + (" left" if alpha_here > 0.75 else " center"), textfont=dict(size=10, color=INK),
                 marker=dict(symbol="star", size=15, color=INK, line=dict(color="#fff", width=1)),
                 hovertemplate=(f"acceptance {alpha_here:.2f}, c {c:.2f}<br>predicted "
-                               f"{float(speedup(alpha_here, c, v, gamma)):.2f}×<extra></extra>")), row=1, col=col)
+                               f"{speedup(alpha_here, c, v, gamma):.2f}×<extra></extra>")), row=1, col=col)
     fig.update_layout(**base_layout(f"What if? Predicted speedup at γ = {gamma} · black line = break-even (1×)",
                                     height))
     fig.update_layout(margin=dict(l=50, r=10, t=60, b=45))

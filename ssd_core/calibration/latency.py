@@ -26,6 +26,39 @@ def expected_tokens(acceptance: float, gamma: int) -> float:
     return (1.0 - a ** (gamma + 1)) / (1.0 - a)
 
 
+def speedup(acceptance: float, draft_cost: float, verify_cost: float, gamma: int) -> float:
+    """E[tokens per step] / (γ·c + v): tokens per unit time vs autoregressive decoding.
+
+    c: one draft step, v: one verification pass over γ + 1 tokens, both in full steps.
+    """
+    return expected_tokens(acceptance, gamma) / (gamma * draft_cost + verify_cost)
+
+
+def break_even(draft_cost: float, verify_cost: float, gamma: int) -> float | None:
+    """Smallest acceptance at which speculation stops losing (None if even α = 1 loses)."""
+    lo, hi = 0.0, 1.0
+    if speedup(1.0, draft_cost, verify_cost, gamma) < 1.0:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if speedup(mid, draft_cost, verify_cost, gamma) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def acceptance_for_tau(tau: float, gamma: int) -> float:
+    """The i.i.d. acceptance that would give this τ (accepts come in runs, so it beats the raw α)."""
+    if tau >= gamma + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, gamma) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     n_layers: int
@@ -88,8 +121,7 @@ class LatencyModel:
     def expected_speedup(self, skip: SkipSet, acceptance: float, gamma: int,
                          context_len: int = 256, kind: str = "fp32") -> float:
         """E[tokens per step] / (γ·c + v(γ+1)): tokens per unit time vs autoregressive."""
-        c = self.draft_cost(skip, context_len, kind)
-        return expected_tokens(acceptance, gamma) / (gamma * c + self.verify_cost(gamma + 1))
+        return speedup(acceptance, self.draft_cost(skip, context_len, kind), self.verify_cost(gamma + 1), gamma)
 
     def best_gamma(self, skip: SkipSet, acceptance: float, max_gamma: int, context_len: int = 256,
                    kind: str = "fp32") -> int:
@@ -104,7 +136,8 @@ class LatencyModel:
         v = self.verify_cost(gamma + 1)
         e = expected_tokens(acceptance, gamma)
         return {"draft_cost": c, "verify_cost": v, "expected_tokens": e,
-                "step_cost": gamma * c + v, "predicted_speedup": e / (gamma * c + v),
+                "step_cost": gamma * c + v, "predicted_speedup": speedup(acceptance, c, v, gamma),
+                "best_speedup": speedup(1.0, c, v, gamma), "break_even": break_even(c, v, gamma),
                 "full_step_ms": 1000 * self.step_time(EMPTY, context_len),
                 "draft_step_ms": 1000 * self.step_time(skip, context_len, kind), "draft_kind": kind,
                 "attn_ms": 1000 * self.attn_time(context_len), "mlp_ms": 1000 * self.mlp,
@@ -114,16 +147,7 @@ class LatencyModel:
     def break_even_acceptance(self, skip: SkipSet, gamma: int, context_len: int = 256,
                               kind: str = "fp32") -> float | None:
         """Smallest acceptance at which speculation stops losing (None if it never does)."""
-        lo, hi = 0.0, 1.0
-        if self.expected_speedup(skip, 1.0, gamma, context_len, kind) < 1.0:
-            return None
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            if self.expected_speedup(skip, mid, gamma, context_len, kind) < 1.0:
-                lo = mid
-            else:
-                hi = mid
-        return hi
+        return break_even(self.draft_cost(skip, context_len, kind), self.verify_cost(gamma + 1), gamma)
 
     # --- persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
