@@ -1,10 +1,16 @@
-"""The app's handlers and views, driven directly (no browser): the tiny model and its calibration."""
+"""The app's handlers and views, driven directly (no browser): the tiny model and its calibration.
+
+The handlers (viz.handlers, viz.walk_handlers) return named outputs; app.py only adapts them to Gradio."""
 import json
 
 import gradio as gr
 import pytest
 
 import app
+from viz import handlers
+from viz import studio as vstudio
+from viz import walk_handlers
+from viz.session import Session
 from ssd_core.engine.decode import Step
 from ssd_core.engine.generate import generate as core_generate
 from ssd_core.engine.skipset import SkipSet
@@ -22,7 +28,7 @@ SETTINGS = dict(domain="translation", max_new=32, gamma=3, threshold=0.0, temper
 
 @pytest.fixture(scope="module")
 def studio(tiny, tiny_calibration):
-    return app.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    return vstudio.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
 
 
 def run(handler, studio, strategy="KNN-SSD", prompt=PROMPT, session=None, **kw):
@@ -32,9 +38,9 @@ def run(handler, studio, strategy="KNN-SSD", prompt=PROMPT, session=None, **kw):
 
 
 def column(outputs, name):
-    """Every value one output received, leaving out gr.skip() (= 'unchanged')."""
-    i = app.GEN_OUTPUTS.index(name)
-    return [o[i] for o in outputs if o[i] != gr.skip()]
+    """Every value one output received (an output not named is left unchanged)."""
+    assert name in handlers.GEN_OUTPUTS
+    return [o[name] for o in outputs if name in o]
 
 
 def a_step(**kw):
@@ -132,25 +138,25 @@ def test_benchmark_view_without_and_with_results(tmp_path):
                                                                  "decoding_steps": [2]}]}
     (tmp_path / "run" / "knn.jsonl").write_text(json.dumps(answer) + "\n")
     (tmp_path / "run" / "notes.jsonl").write_text('{"not": "an answer"}\n')
-    bench = app.read_bench(tmp_path)
+    bench = vstudio.read_bench(tmp_path)
     html = vbench.summary_html(bench["summary"]) + vbench.core_html(bench["core"])
     assert "KNN-SSD" in html and "0.90×" in html and "✓" in html and "25.0" in html
     assert bench["markdown"][0][1].startswith("| a |") and list(bench["answers"]) == ["knn"]
-    assert all(hasattr(f, "to_json") for f in app.bench_plots(bench))
-    empty = app.read_bench(tmp_path / "nothing")
+    assert all(hasattr(f, "to_json") for f in vstudio.bench_plots(bench))
+    empty = vstudio.read_bench(tmp_path / "nothing")
     assert empty["summary"] is None and empty["core"] is None and not empty["markdown"]
-    assert app.bench_plots(empty) == []
+    assert vstudio.bench_plots(empty) == []
 
 
 # --- handlers ------------------------------------------------------------------------------------------
 def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(studio, tiny):
-    outs = run(app.generate, studio, "KNN-SSD")
+    outs = run(handlers.generate, studio, "KNN-SSD")
     tokens = column(outs, "tokens")
     assert 'class="tok ver"' in tokens[0]            # the prefill's token is the first thing shown
     assert len(tokens) >= 4
     assert len(column(outs, "domain_plot")) == 1 and len(column(outs, "layer_plot")) == 1
     assert len(column(outs, "cost")) == 1 and len(column(outs, "what_if")) == 1
-    session = outs[-1][0]
+    session = outs[-1]["session"]
     route = session.run.route
     assert session.run.route_used and route["neighbours"] and "routed to" in column(outs, "route")[0]
     why = column(outs, "route")[0].split("why this domain", 1)[1]      # the K neighbours, explained
@@ -163,10 +169,10 @@ def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(stud
 
 
 def test_every_strategy_runs_from_the_ui(studio):
-    for label in app.STRATEGIES:
-        outs = run(app.generate, studio, label)
-        r = outs[-1][0].run
-        assert r.strategy == app.STRATEGIES[label] and r.stats.new_tokens > 0
+    for label in vstudio.STRATEGIES:
+        outs = run(handlers.generate, studio, label)
+        r = outs[-1]["session"].run
+        assert r.strategy == vstudio.STRATEGIES[label] and r.stats.new_tokens > 0
         if label == "autoregressive":
             assert r.skip is None and all(not s.drafted for s in r.steps)
         else:
@@ -174,105 +180,110 @@ def test_every_strategy_runs_from_the_ui(studio):
 
 
 def test_knapspec_resends_the_layer_map_when_its_set_changes(studio):
-    outs = run(app.generate, studio, "KnapSpec", max_new=96)
-    r = outs[-1][0].run
+    outs = run(handlers.generate, studio, "KnapSpec", max_new=96)
+    r = outs[-1]["session"].run
     assert len(column(outs, "layer_plot")) == 1 + len(r.history)   # the empty one at start, then each change
     assert r.history[0][1].name == "knapspec"
 
 
 def test_race_measures_both_and_checks_losslessness(studio):
-    outs = run(app.race, studio, "static set")
-    race = outs[-1][0].race
+    outs = run(handlers.race, studio, "static set")
+    race = outs[-1]["session"].race
     assert race.identical is True and race.tokens == race.ar_tokens
     assert race.speedup == pytest.approx(race.tokens_per_s / race.ar_tokens_per_s)
     assert "✓ identical" in column(outs, "race")[-1]
     assert f"{race.speedup:.2f}×" in column(outs, "stats")[-1]
     assert "measured" in column(outs, "cost")[-1]
-    sampled = run(app.race, studio, "static set", temperature=0.8)[-1][0].race
+    sampled = run(handlers.race, studio, "static set", temperature=0.8)[-1]["session"].race
     assert sampled.identical is None                    # sampling: lossless is about distributions
 
 
 def test_stop_ends_the_decode_at_the_next_step(studio):
-    gen = app.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
+    gen = handlers.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
     first = next(gen)
-    session = first[0]
-    _, tokens, stats = app.stop(studio, session)
+    session = first["session"]
+    tokens = handlers.stop(studio, session)["tokens"]
     assert "stopped after" in tokens and "tok" in tokens
     rest = list(gen)
     assert session.run.stats.new_tokens < 64
     assert "stopped" in column(rest, "tokens")[-1]
-    assert app.stop(studio, None)[1] == gr.skip()          # nothing running: nothing to show
+    assert set(handlers.stop(studio, None)) == {"session"}          # nothing running: nothing to show
 
 
 def test_bad_input_becomes_a_message_not_a_traceback(studio):
-    outs = run(app.generate, studio, "KNN-SSD", prompt="   ")
-    assert len(outs) == 1 and "Type a prompt" in outs[0][1]
-    outs = run(app.generate, studio, "KNN-SSD", top_p=0.0)
-    assert "Setting not accepted" in outs[0][1] and "top_p" in outs[0][1]
+    outs = run(handlers.generate, studio, "KNN-SSD", prompt="   ")
+    assert len(outs) == 1 and "Type a prompt" in outs[0]["tokens"]
+    outs = run(handlers.generate, studio, "KNN-SSD", top_p=0.0)
+    assert "Setting not accepted" in outs[0]["tokens"] and "top_p" in outs[0]["tokens"]
 
 
 def test_examples_cycle_through_held_out_prompts(studio):
-    s, first, dom = app.pick_example(studio, None, domain="math")
-    s, second, _ = app.pick_example(studio, s, domain="math")
+    out = handlers.pick_example(studio, None, domain="math")
+    first, dom = out["prompt"], out["oracle_domain"]
+    second = handlers.pick_example(studio, out["session"], domain="math")["prompt"]
     assert dom == "math" and first in studio.examples["math"] and second in studio.examples["math"]
     assert (first != second) == (len(studio.examples["math"]) > 1)
-    assert app.strategy_changed("oracle")["visible"] is True
+    assert handlers.strategy_changed("oracle")["oracle_domain"].visible is True
+    assert app.outputs(handlers.strategy_changed("oracle"), ["oracle_domain"])["visible"] is True
 
 
 def test_step_through_walks_draft_verify_accept_next(studio):
-    s, html = app.walk_start(studio, None, PROMPT, "KNN-SSD", None, 3, 5)
-    assert "phase: <b>draft</b>" in html and s.walk.step is not None
-    s, html = app.walk_phase(studio, s, phase="verify")
-    assert "verifier</th>" in html
-    s, html = app.walk_phase(studio, s, phase="accept")
-    assert "verdict" in html
+    out = walk_handlers.walk_start(studio, None, PROMPT, "KNN-SSD", None, 3, 5)
+    s = out["session"]
+    assert "phase: <b>draft</b>" in out["walk"] and s.walk.step is not None
+    assert "verifier</th>" in walk_handlers.walk_phase(studio, s, phase="verify")["walk"]
+    assert "verdict" in walk_handlers.walk_phase(studio, s, phase="accept")["walk"]
     index = s.walk.step.index
-    s, html = app.walk_next(studio, s)
+    html = walk_handlers.walk_next(studio, s)["walk"]
     assert s.walk.step.index == index + 1 and "phase: <b>draft</b>" in html
-    frames = list(app.walk_auto(studio, s, steps=2, pause=0))
-    assert [f[1].split("phase: <b>")[1][:6] for f in frames[:3]] == ["draft<", "verify", "accept"]
+    frames = list(walk_handlers.walk_auto(studio, s, steps=2, pause=0))
+    assert [f["walk"].split("phase: <b>")[1][:6] for f in frames[:3]] == ["draft<", "verify", "accept"]
 
 
 def test_sessions_do_not_share_state(studio):
-    a = run(app.generate, studio, "KNN-SSD")[-1][0]
-    b = run(app.generate, studio, "static set", prompt="Write a SQL query that counts rows.")[-1][0]
+    a = run(handlers.generate, studio, "KNN-SSD")[-1]["session"]
+    b = run(handlers.generate, studio, "static set", prompt="Write a SQL query that counts rows.")[-1]["session"]
     assert a is not b and a.run.prompt == PROMPT and b.run.strategy == "static"
 
 
 def test_cost_panel_explains_the_last_run(studio):
-    outs = run(app.generate, studio, "KNN-SSD")
+    outs = run(handlers.generate, studio, "KNN-SSD")
     html = column(outs, "cost")[-1]
     for words in ("draft cost c", "verify cost v", "expected tokens per step", "predicted speedup",
                   "Race vs AR"):
         assert words in html
-    fig = app.what_if(studio, outs[-1][0], 6, 1.1)
+    fig = handlers.what_if(studio, outs[-1]["session"], 6, 1.1)["what_if"]
     assert "γ = 6" in fig.layout.title.text and any(t.type == "contour" for t in fig.data)
 
 
 def test_app_without_calibration_runs_autoregressive_and_offers_one(tiny, tiny_calibration, tmp_path,
                                                                     monkeypatch):
-    bare = app.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
+    bare = vstudio.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
     assert bare.calibration is None and "python -m ssd_core.calibrate" in bare.cal_error
-    outs = run(app.generate, bare, "KNN-SSD")
-    assert outs[-1][0].run.strategy == "ar" and "No calibration" in column(outs, "stats")[0]
+    outs = run(handlers.generate, bare, "KNN-SSD")
+    assert outs[-1]["session"].run.strategy == "ar" and "No calibration" in column(outs, "stats")[0]
     demo = app.build(bare)
     assert isinstance(demo, gr.Blocks)
     import ssd_core.calibration.build
     calls = []
     monkeypatch.setattr(ssd_core.calibration.build, "calibrate",
                         lambda *a, **kw: calls.append(kw) or tiny_calibration)
-    assert all(v == gr.skip() for v in app.page_load(bare, None, None)[1:])   # nothing changed yet
+    assert set(handlers.page_load(bare, None, None)) == {"session"}            # nothing changed yet
+    unchanged = app.outputs(handlers.page_load(bare, None, None), handlers.PAGE_OUTPUTS)
+    assert all(v == gr.skip() for v in unchanged[1:])
     banner, button = app.run_calibration(bare, progress=lambda *a, **kw: None)
     assert calls and calls[0]["backbone"] is tiny and "loaded" in banner["value"]
     assert bare.calibration is tiny_calibration and button["visible"] is False
-    fresh = app.page_load(bare, None, None)             # a page built before the calibration existed
-    assert fresh[1]["visible"] is False and fresh[3]["value"] == "KNN-SSD"
-    assert "routing accuracy" in fresh[9] and fresh[10]["visible"] is True
+    fresh = handlers.page_load(bare, None, None)        # a page built before the calibration existed
+    assert fresh["cal_row"].visible is False and fresh["strategy"].value == "KNN-SSD"
+    assert "routing accuracy" in fresh["domains_md"] and fresh["sets_plot"].visible is True
+    adapted = app.outputs(fresh, handlers.PAGE_OUTPUTS)
+    assert adapted[1]["visible"] is False and adapted[3]["value"] == "KNN-SSD" and adapted[2] == gr.skip()
 
 
 def test_the_layout_has_every_part(studio):
     demo = app.build(studio)
-    assert isinstance(app.page_load(studio, studio.calibration, None)[0], app.Session)
+    assert isinstance(handlers.page_load(studio, studio.calibration, None)["session"], Session)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     for part in ("prompt", "strategy", "generate-btn", "race-btn", "stop-btn", "tokens", "legend", "stats",
                  "route", "domain-map", "layer-map", "walk", "cost", "what-if"):

@@ -10,6 +10,9 @@ import time
 import pytest
 
 import app
+from viz import handlers
+from viz import studio as vstudio
+from viz.session import Session
 from ssd_core.engine.decode import DecodeConfig, Start, decode
 from ssd_core.engine.generate import generate as core_generate
 from ssd_core.policies.ar import Autoregressive
@@ -40,18 +43,17 @@ GOOD = dict(domain=None, max_new=12, gamma=3, threshold=0.0, temperature=0.0, to
 
 @pytest.fixture(scope="module")
 def studio(tiny, tiny_calibration):
-    return app.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    return vstudio.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
 
 
 def run_handler(studio, prompt, **kw):
     s = {**GOOD, **kw}
-    return list(app.generate(studio, None, prompt, "KNN-SSD", s["domain"], s["max_new"], s["gamma"],
+    return list(handlers.generate(studio, None, prompt, "KNN-SSD", s["domain"], s["max_new"], s["gamma"],
                              s["threshold"], s["temperature"], s["top_p"], s["k"]))
 
 
 def tokens_html(outputs):
-    i = app.GEN_OUTPUTS.index("tokens")
-    return "".join(str(o[i]) for o in outputs)
+    return "".join(str(o["tokens"]) for o in outputs if "tokens" in o)
 
 
 # --- the corpus through the handler the UI uses -------------------------------------------------------
@@ -68,8 +70,7 @@ def test_bad_prompts_through_the_handler(studio, case):
 
 def test_huge_prompt_is_shortened_with_a_notice(studio):
     out = run_handler(studio, BAD_PROMPTS["huge"])
-    i = app.GEN_OUTPUTS.index("stats")
-    assert any("shortened" in str(o[i]) for o in out)
+    assert any("shortened" in str(o.get("stats", "")) for o in out)
 
 
 @pytest.mark.parametrize("case", BAD_SETTINGS)
@@ -83,19 +84,19 @@ def test_bad_settings_through_the_api_function(studio, case):
     s = {**GOOD, **BAD_SETTINGS[case]}
     if case == "k_nan":
         pytest.skip("the plain API has no K")
-    res = app.generate_text(studio, "hello", "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
+    res = handlers.generate_text(studio, "hello", "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
                             s["temperature"], s["top_p"])
     assert "error" in res and "Setting not accepted" in res["error"]
 
 
 def test_control_characters_are_dropped_and_unicode_kept():
-    assert app.clean_prompt("a\x00b\x1bc\nd\te") == "abc\nd\te"
-    assert app.clean_prompt(BAD_PROMPTS["cjk"]) == BAD_PROMPTS["cjk"]
-    assert app.clean_prompt(None) == ""
+    assert vstudio.clean_prompt("a\x00b\x1bc\nd\te") == "abc\nd\te"
+    assert vstudio.clean_prompt(BAD_PROMPTS["cjk"]) == BAD_PROMPTS["cjk"]
+    assert vstudio.clean_prompt(None) == ""
 
 
 def test_request_size_limit(studio):
-    res = app.generate_text(studio, "x" * (app.MAX_PROMPT_CHARS + 1))
+    res = handlers.generate_text(studio, "x" * (vstudio.MAX_PROMPT_CHARS + 1))
     assert "limit" in res["error"]
 
 
@@ -146,7 +147,7 @@ def test_bad_input_through_gradio_client(served, case):
 def test_eight_concurrent_clients_each_get_their_own_lossless_text(served, tiny):
     prompts = [f"client {i}: tell me about {w}" for i, w in
                enumerate(["cats", "rain", "maths", "trains", "tea", "stars", "music", "code"])]
-    cfg = DecodeConfig(max_new_tokens=16, gamma=3, max_prompt_tokens=app.MAX_PROMPT_TOKENS)
+    cfg = DecodeConfig(max_new_tokens=16, gamma=3, max_prompt_tokens=vstudio.MAX_PROMPT_TOKENS)
     expected = {p: core_generate(tiny, p, Autoregressive(), cfg).text for p in prompts}
     got, errors = {}, []
 
@@ -173,9 +174,9 @@ def test_no_file_system_paths_in_the_config(served):
 
 # --- cancellation -----------------------------------------------------------------------------
 def test_stop_ends_generation_within_one_step(studio):
-    session = app.Session()
+    session = Session()
     before = threading.active_count()
-    gen = app.generate(studio, session, "count to one hundred", "KNN-SSD", None, 200, 3, 0.0, 0.0, 1.0, 5)
+    gen = handlers.generate(studio, session, "count to one hundred", "KNN-SSD", None, 200, 3, 0.0, 0.0, 1.0, 5)
     next(gen)
     next(gen)
     session.stop = True
@@ -201,25 +202,25 @@ def test_should_stop_is_polled_every_step(tiny):
 # --- artefacts ------------------------------------------------------------------------------------
 def test_corrupt_calibration_falls_back_with_a_banner(tiny, tiny_calibration, tmp_path, monkeypatch):
     # the broken calibration lies inside the repo, as the committed one does (ROOT → tmp_path here)
-    monkeypatch.setattr(app, "ROOT", tmp_path)
+    monkeypatch.setattr(vstudio, "ROOT", tmp_path)
     bad = tmp_path / "assets" / "calibration" / "tiny"
     shutil.copytree(tiny_calibration.folder, bad)
     (bad / "router.npz").write_bytes(b"garbage")
-    st = app.load_studio(backbone=tiny, calibration=bad, warm=False)
+    st = vstudio.load_studio(backbone=tiny, calibration=bad, warm=False)
     assert st.calibration is None
     assert "checksum mismatch" in st.cal_error
     # the banner names the file relative to the repo and never shows the repo's absolute path
     assert "checksum mismatch for assets/calibration/tiny/router.npz" in st.cal_error, st.cal_error
     assert str(tmp_path) not in st.cal_error, st.cal_error
-    res = app.generate_text(st, "hello there", "KNN-SSD", 8)
+    res = handlers.generate_text(st, "hello there", "KNN-SSD", 8)
     assert res["strategy"] == "ar" and res["new_tokens"] >= 1
 
 
 def test_missing_calibration_falls_back(tiny, tmp_path):
-    st = app.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
+    st = vstudio.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
     assert st.calibration is None and "python -m ssd_core.calibrate" in st.cal_error
 
 
 def test_public_message_hides_repo_paths():
-    msg = app.public_message(f"checksum mismatch for {app.ROOT}/assets/calibration/x/router.npz")
-    assert str(app.ROOT) not in msg and "assets/calibration/x/router.npz" in msg
+    msg = vstudio.public_message(f"checksum mismatch for {vstudio.ROOT}/assets/calibration/x/router.npz")
+    assert str(vstudio.ROOT) not in msg and "assets/calibration/x/router.npz" in msg

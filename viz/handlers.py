@@ -1,0 +1,272 @@
+"""The app's event handlers, without Gradio: generate, race, stop, examples, what-if, page load,
+calibration and the plain API.
+
+Every handler returns (or yields) a dict of named outputs — {"tokens": html, "stats": html, ...};
+an output left out stays as it is, and a change of visibility is a viz.studio.Update. app.py turns
+these dicts into Gradio's positional outputs in one place.
+"""
+from __future__ import annotations
+
+import time
+
+from ssd_core.engine.decode import DecodeConfig, Start, decode
+from ssd_core.engine.generate import generate as core_generate
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.tools.stats import first_difference
+from viz import cost as vcost
+from viz import stats as vstats
+from viz import tokens as vtok
+from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
+                         map_fig, route_view, stats_view, tokens_view)
+from viz.studio import (DEFAULT_DRAFT, LABELS, QUICK_CALIBRATION, STRATEGIES, Studio, Update, clean_prompt,
+                        load_map, make_config, make_strategy, problem, safe_k)
+
+# what the Generate and Race handlers update, by name
+GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost",
+               "what_if")
+# what a page load may update: a calibration installed after the layout was built
+PAGE_OUTPUTS = ("session", "cal_row", "banner", "strategy", "k", "domain_plot", "layer_plot", "cost",
+                "what_if", "domains_md", "sets_plot", "match_plot")
+
+
+def timed(events):
+    """Yield (event, seconds spent producing it): model time, without the UI's time between steps."""
+    while True:
+        t = time.perf_counter()
+        try:
+            ev = next(events)
+        except StopIteration:
+            return
+        yield ev, time.perf_counter() - t
+
+
+def _in_use(studio: Studio, run: Run, start: Start):
+    """The route to show and the first skip set, from the Start event."""
+    cal = studio.calibration
+    route, used = (start.route.to_dict() if start.route else None), start.route is not None
+    if route is None and cal is not None:   # show where KNN *would* send it, marked as not used
+        route = cal.router.route(start.embedding).to_dict()
+    skip = start.skip if run.strategy != "ar" else None
+    return route, used, skip
+
+
+# --- page load ---------------------------------------------------------------------------------------
+def page_load(studio: Studio, built_with, session) -> dict:
+    """On page load: this visitor's own state (which also opens the event stream before the first
+    click) and, if a calibration was installed after the layout was built, everything that shows it."""
+    session = get_session(session)
+    cal = studio.calibration
+    if cal is built_with:
+        # the UMAP may have finished loading in the background since the layout was built
+        return dict(session=session, **({"domain_plot": map_fig(studio, None)} if studio.domain_map is not None
+                                        else {}))
+    text, sets, match = domains_views(studio)
+    cost, what_if_fig = cost_view(studio, None, None)
+    out = dict(session=session, cal_row=Update(visible=cal is None),
+               strategy=Update(value="KNN-SSD" if cal else "autoregressive"),
+               domain_plot=map_fig(studio, None), layer_plot=layer_fig(studio, None), cost=cost,
+               what_if=what_if_fig, domains_md=text, sets_plot=Update(value=sets, visible=cal is not None),
+               match_plot=Update(value=match, visible=cal is not None))
+    if cal:
+        out["k"] = Update(value=cal.router.k)
+    return out
+
+
+# --- the plain API -------------------------------------------------------------------------------------
+def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
+                  gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
+                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT) -> dict:
+    """The plain API: one whole answer and its stats (gradio_client, the soak script and tests).
+
+    Bad input never raises: the answer is {"error": message} and the server keeps serving.
+    """
+    err, cfg = problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p, draft))
+    if err:
+        return {"error": err}
+    name = STRATEGIES.get(strategy, strategy if strategy in STRATEGIES.values() else None)
+    if name is None:
+        return {"error": f"unknown strategy {str(strategy)[:40]!r}; choose from {', '.join(STRATEGIES)}"}
+    if studio.calibration is None:
+        name = "ar"
+    g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
+                      make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
+    st = g.stats
+    return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
+            "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
+            "truncated": g.start.truncated, "domain": g.start.domain}
+
+
+# --- Generate and Race -------------------------------------------------------------------------------
+def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain, cfg: DecodeConfig, k: int):
+    """Decode and yield view updates (dicts); the finished Run is left in session.run."""
+    cal_note = ""
+    if studio.calibration is None and strategy != "ar":
+        cal_note = "No calibration for this model yet, so this runs autoregressively. "
+        strategy = "ar"
+    run = Run(prompt, strategy, cfg)
+    session.run, session.stop = run, False
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
+    bb = studio.backbone
+    eos = bb.eos_ids
+    parts: list[str] = []
+    events = timed(decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop))
+    for ev, dt in events:
+        run.compute_s += dt
+        if isinstance(ev, Start):
+            run.start = ev
+            run.route, run.route_used, skip = _in_use(studio, run, ev)
+            if skip is not None:
+                run.history.append((0, skip))
+            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, bb.token_str, eos)))
+            note = cal_note + ("The prompt was shortened to fit. " if ev.truncated else "")
+            yield dict(tokens=tokens_view(studio, parts, "generating…"),
+                       stats=stats_view(run, None, note), route=route_view(run))
+            yield dict(domain_plot=map_fig(studio, run), layer_plot=layer_fig(studio, run))
+            continue
+        run.steps.append(ev)
+        update = {}
+        if ev.skip is not None and (run.skip is None or ev.skip != run.skip):
+            run.history.append((ev.index + 1, ev.skip))
+            update["layer_plot"] = layer_fig(studio, run)
+        parts.append(vtok.tokens_html(vtok.step_tokens(ev, bb.token_str, eos)))
+        update.update(tokens=tokens_view(studio, parts, "generating…"),
+                      stats=stats_view(run, None, cal_note))
+        yield update
+    stopped = session.stop
+    st = run.stats
+    done = (f"stopped after {st.new_tokens} tokens" if stopped else
+            f"done · {st.new_tokens} tokens in {len(run.steps)} steps · {st.wall_s:.2f} s model time")
+    done += " · hover a token for its step, draft probability and the verifier's choice"
+    yield dict(tokens=tokens_view(studio, parts, done))
+
+
+def _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft):
+    """(error message, (config, K)) from the Generate tab's settings."""
+    return problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p, draft), safe_k(k)))
+
+
+def _refused(session: Session, err: str) -> dict:
+    return dict(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
+
+
+def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+             temperature, top_p, k, draft=DEFAULT_DRAFT):
+    """Generate: stream coloured tokens, stats and (when they change) the two figures."""
+    session = get_session(session)
+    err, got = _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft)
+    if err:
+        yield _refused(session, err)
+        return
+    cfg, k = got
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    session.race = None
+    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
+        yield dict(session=session, **update)
+    cost, what_if_fig = cost_view(studio, session.run, None)
+    yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
+               stats=stats_view(session.run, session.race))
+
+
+def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+         temperature, top_p, k, draft=DEFAULT_DRAFT):
+    """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
+    session = get_session(session)
+    err, got = _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft)
+    if err:
+        yield _refused(session, err)
+        return
+    cfg, k = got
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    if strategy == "ar":
+        strategy = "knn" if studio.calibration is not None else "ar"
+    session.race = None
+    yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
+    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
+        yield dict(session=session, **update)
+    run = session.run
+    if session.stop:
+        yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
+        return
+    yield dict(session=session, race=vstats.race_html(None, running="2/2 · autoregressive running…"))
+    ar_ids, ar_time = [], 0.0
+    for ev, dt in timed(decode(studio.backbone, clean_prompt(prompt).strip(), Autoregressive(), cfg,
+                               should_stop=lambda: session.stop)):
+        ar_time += dt
+        ar_ids.extend([ev.first_token] if isinstance(ev, Start) else ev.committed)
+        if len(ar_ids) % 16 == 0:
+            yield dict(session=session, race=vstats.race_html(
+                None, running=f"2/2 · autoregressive: {len(ar_ids)} of ≤ {cfg.max_new_tokens} tokens"))
+    if session.stop:
+        yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
+        return
+    ids = run.token_ids
+    same = tuple(ar_ids) == ids
+    session.race = vstats.RaceResult(
+        strategy=LABELS[run.strategy], ar_tokens_per_s=len(ar_ids) / ar_time if ar_time else 0.0,
+        tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ar_ids), tokens=len(ids),
+        identical=same if cfg.greedy else None, first_difference=None if same else first_difference(ar_ids, ids))
+    cost, what_if_fig = cost_view(studio, run, session.race)
+    yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
+               cost=cost, what_if=what_if_fig)
+
+
+def stop(studio: Studio, session) -> dict:
+    """Stop: the running decode ends at its next step (Gradio also cancels the event); show where."""
+    session = get_session(session)
+    session.stop = True
+    run = session.run
+    if run is None or run.start is None:
+        return dict(session=session)
+    bb = studio.backbone
+    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, bb.token_str, bb.eos_ids))]
+    parts += [vtok.tokens_html(vtok.step_tokens(s, bb.token_str, bb.eos_ids)) for s in list(run.steps)]
+    status = f"stopped after {run.stats.new_tokens} tokens"
+    return dict(session=session, tokens=tokens_view(studio, parts, status), stats=stats_view(run, None))
+
+
+# --- small controls ------------------------------------------------------------------------------------
+def pick_example(studio: Studio, session, domain: str) -> dict:
+    """An example button: the next held-out prompt of that domain (cycling), and the oracle's domain."""
+    session = get_session(session)
+    prompts = studio.examples.get(domain) or [""]
+    i = session.example_turn.get(domain, 0)
+    session.example_turn[domain] = i + 1
+    return dict(session=session, prompt=prompts[i % len(prompts)], oracle_domain=domain)
+
+
+def strategy_changed(strategy_label) -> dict:
+    return dict(oracle_domain=Update(visible=STRATEGIES.get(strategy_label) == "oracle"))
+
+
+def what_if(studio: Studio, session, gamma, verify) -> dict:
+    """The cost tab's what-if chart at another γ / verify cost."""
+    session = get_session(session)
+    cal = studio.calibration
+    run = session.run
+    c, alpha, c_big = 0.8, None, None
+    if cal is not None:
+        skip = run.skip if run is not None and run.skip is not None else cal.static
+        c = cal.latency.draft_cost(skip, 256)
+        c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
+        stats = run.stats if run is not None else None
+        alpha, label = acceptance_star(stats, int(gamma), cal.acceptance()["static"])
+        return dict(what_if=vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big, label=label))
+    return dict(what_if=vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big))
+
+
+# --- calibration -----------------------------------------------------------------------------------------
+def run_calibration(studio: Studio, progress) -> dict:
+    """Build a quick calibration for the loaded model (tqdm bars show as a progress bar), then load it."""
+    from ssd_core.calibration.build import calibrate
+    progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
+    try:
+        cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,
+                        **QUICK_CALIBRATION)
+    except Exception as exc:
+        return dict(banner=Update(value=banner(f"Calibration failed: {exc}"), visible=True),
+                    cal_btn=Update(visible=True))
+    dm, err = load_map(cal)
+    studio.install(cal, dm, err)
+    return dict(banner=Update(value=banner(f"Calibration written to {studio.cal_folder} and loaded: reload the "
+                                           "page to draft with it.", ok=True), visible=True),
+                cal_btn=Update(visible=False))

@@ -1,0 +1,195 @@
+"""Per-browser-session state (Run, Walk, Session) and the views the handlers send, without Gradio.
+
+Each view takes the shared Studio and this session's last run and returns HTML or a plotly figure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ssd_core.engine.decode import DecodeConfig, Start
+from ssd_core.engine.generate import summarize
+from ssd_core.engine.skipset import SkipSet
+from viz import cost as vcost
+from viz import domain_map as vmap
+from viz import layers as vlayers
+from viz import stats as vstats
+from viz import tokens as vtok
+from viz.studio import LABELS, PLOT_H, Studio
+
+
+# --- per-session state ---------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One generation as it happened: the request, the events and the time spent decoding."""
+
+    prompt: str
+    strategy: str
+    config: DecodeConfig
+    start: Start | None = None
+    steps: list = field(default_factory=list)
+    compute_s: float = 0.0
+    route: dict | None = None
+    route_used: bool = False
+    history: list = field(default_factory=list)      # [(step, SkipSet)] each time the set changed
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        first = (self.start.first_token,) if self.start else ()
+        return first + tuple(t for s in self.steps for t in s.committed)
+
+    @property
+    def stats(self):
+        return summarize(self.start, self.steps, self.compute_s) if self.start else None
+
+    @property
+    def skip(self):
+        return self.history[-1][1] if self.history else None
+
+
+@dataclass
+class Walk:
+    """Step-through state: a live decode advanced one step per click."""
+
+    events: object
+    prompt: str
+    skip_desc: str
+    ids: list = field(default_factory=list)
+    step: object | None = None
+    phase: str = "draft"
+    done: bool = False
+
+
+@dataclass
+class Session:
+    run: Run | None = None
+    race: vstats.RaceResult | None = None
+    walk: Walk | None = None
+    stop: bool = False
+    example_turn: dict = field(default_factory=dict)
+
+
+def get_session(s) -> Session:
+    return s if isinstance(s, Session) else Session()
+
+
+def domains_views(studio: Studio):
+    """The Domains & layer sets tab: a sentence, every domain's set, the matchness heatmap."""
+    cal = studio.calibration
+    if cal is None:
+        return "No calibration yet: run it from the banner at the top.", None, None
+    acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
+    outside = cal.routing.get("check_set")
+    text = ("Each domain gets its own skip set, searched offline. "
+            + (f"Held-out routing accuracy of the KNN router: **{acc:.0%}**; " if acc is not None else "")
+            + (f"on {outside['prompts']} prompts written after the anchors (assets/routing_check): "
+               f"**{outside['accuracy']['overall']:.0%}**; " if outside else "")
+            + f"prompts less similar than {cal.router.threshold:.2f} to every anchor count as unknown → static set."
+            + "\n\n" + vlayers.domain_check_md(cal.meta.get("check"), cal.meta["settings"].get("check_margin"),
+                                                cal.meta["settings"].get("search_mode")))
+    return (text, vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
+            vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)))
+
+
+# --- view helpers ----------------------------------------------------------------------------------
+def tokens_view(studio: Studio, parts: list[str], status: str = "") -> str:
+    return vtok.stream_html("".join(parts), placeholder="The answer streams here, token by token.",
+                            status=status)
+
+
+def layer_fig(studio: Studio, run: Run | None):
+    cal = studio.calibration
+    sets = cal.domain_sets if cal else {}
+    static = cal.static if cal else None
+    n = studio.backbone.n_layers
+    if run is None or run.skip is None:
+        return vlayers.layer_map(n, sets, static, height=PLOT_H)
+    route = run.route or {}
+    domain = {"knn": (route.get("domain") or "static") if run.route_used else None,
+              "static": "static", "oracle": run.skip.name, "knapspec": "knapspec"}.get(run.strategy)
+    name = {"knn": f"{domain} set", "static": "static set", "oracle": f"{run.skip.name} set",
+            "knapspec": "KnapSpec set"}.get(run.strategy, run.skip.name)
+    return vlayers.layer_map(n, sets, static, in_use=run.skip, in_use_name=name, in_use_domain=domain,
+                             history=run.history, height=PLOT_H, draft=run.start.draft if run.start else "")
+
+
+def map_fig(studio: Studio, run: Run | None):
+    if studio.domain_map is None:
+        return vmap.domain_map([], height=PLOT_H, title="Domain map · " + (
+            "needs a calibration" if studio.calibration is None else (studio.map_error or "unavailable")))
+    if run is None or run.start is None:
+        return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=PLOT_H)
+    xy = studio.domain_map.transform(run.start.embedding)
+    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=PLOT_H)
+
+
+def route_view(run: Run | None) -> str:
+    if run is None:
+        return vmap.route_html(None)
+    if run.route is None:
+        return vmap.route_html(None, run.strategy)
+    return vmap.route_html(run.route, run.strategy, used=run.route_used)
+
+
+def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
+    """The cost panel and what-if chart for the last run (or the static set before any run)."""
+    cal = studio.calibration
+    if cal is None:
+        return ('<div class="cost">The cost panel needs a calibration (its latency model).</div>',
+                vcost.what_if_figure(4, 0.8, 1.3))
+    lat = cal.latency
+    skip = run.skip if run is not None and run.skip is not None else cal.static
+    gamma = run.config.gamma if run is not None else 4
+    stats = run.stats if run is not None else None
+    kind = run.config.draft if run is not None else "int8"
+    kind = kind if lat.knows(kind) else "fp32"
+    if stats is not None and stats.drafted:
+        alpha, source = stats.alpha, "this run"
+    else:
+        acc = cal.acceptance(kind)
+        alpha, source = acc.get(skip.name, acc["static"]), "calibration"
+    ctx = (run.start.prompt_len + stats.new_tokens // 2) if run is not None and run.start else 256
+    b = lat.breakdown(skip, alpha, gamma, ctx, kind)
+    measured_speedup = None
+    if race is not None and run is not None and race.strategy == LABELS.get(run.strategy):
+        measured_speedup = race.speedup
+    full_s = (1.0 / race.ar_tokens_per_s) if race is not None and race.ar_tokens_per_s else lat.step_time(
+        SkipSet.empty(), ctx)
+    measured = vcost.measured_costs(run.steps, full_s) if run is not None else {}
+    label = LABELS.get(run.strategy, "static set") if run is not None else "static set (no run yet)"
+    html = vcost.cost_html(b, strategy=label, skip_name=skip.name or "chosen", alpha=alpha,
+                           tau=stats.tau if stats is not None and stats.drafted else None,
+                           measured_speedup=measured_speedup, measured=measured, alpha_source=source)
+    c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
+    star, label = acceptance_star(stats, gamma, alpha)
+    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], star, c_big=c_big, label=label)
+
+
+def acceptance_star(stats, gamma: int, alpha: float) -> tuple[float, str]:
+    """Where the run sits on the what-if map: the acceptance that explains its measured τ."""
+    if stats is not None and stats.drafted:
+        return vcost.effective_acceptance(stats.tau, gamma), f"this run (τ {stats.tau:.2f})"
+    return alpha, "calibration"
+
+
+def stats_view(run: Run | None, race, note: str = "") -> str:
+    if run is None:
+        return vstats.stats_html(None)
+    return vstats.stats_html(run.stats, race=race, speculative=run.strategy != "ar", note=note,
+                             steps=run.steps, gamma=run.config.gamma)
+
+
+
+def header_html(studio: Studio) -> str:
+    d = studio.backbone.describe()
+    return ('<div class="app-header"><div class="app-title"><b>KNN-SSD Studio</b> · self-speculative decoding, '
+            f'visualised</div><div class="app-model">model: <b>{vtok.escape(d["model"])}</b> · {d["n_layers"]} '
+            f'layers · {d["params_m"]}M parameters · CPU</div><div class="app-explainer">The model drafts a few '
+            "tokens with an int8 copy of itself (some layers skipped) or copies them from earlier text, then "
+            "checks them in one pass of the full model — the text stays exactly what plain decoding would "
+            "write.</div></div>")
+
+
+
+
+def banner(text: str, ok: bool = False) -> str:
+    return f'<div class="banner {"ok" if ok else "warn"}">{vtok.escape(text)}</div>'

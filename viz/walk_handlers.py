@@ -1,0 +1,102 @@
+"""Step through: a live decode advanced one phase (draft → verify → accept) per click, without Gradio.
+
+Each handler returns (or, for auto-play, yields) named outputs: {"session": ..., "walk": html}.
+"""
+from __future__ import annotations
+
+import html
+import time
+
+from ssd_core.engine.decode import decode
+from viz import stepthrough as vwalk
+from viz.session import Walk, get_session
+from viz.studio import STRATEGIES, Studio, clean_prompt, make_config, make_strategy, problem, safe_k
+
+
+def walk_view(studio: Studio, walk: Walk | None) -> str:
+    if walk is None:
+        return vwalk.walk_html("", None, "draft", studio.backbone.token_str)
+    if walk.done and walk.step is None:
+        return '<div class="walk idle">The answer is complete. Press <b>Start</b> for another prompt.</div>'
+    context = walk.prompt + "\n\n" + studio.backbone.decode(walk.ids)
+    return vwalk.walk_html(context, walk.step, walk.phase, studio.backbone.token_str, walk.skip_desc)
+
+
+def _advance(studio: Studio, walk: Walk) -> None:
+    """Commit the current step to the context and fetch the next one."""
+    if walk.step is not None:
+        walk.ids.extend(walk.step.committed)
+        if walk.step.finished:
+            walk.step, walk.done = None, True
+            return
+    walk.step = next(walk.events, None)
+    walk.phase = "draft"
+    if walk.step is None:
+        walk.done = True
+
+
+def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k):
+    session = get_session(session)
+    if not clean_prompt(prompt).strip():
+        return dict(session=session,
+                    walk='<div class="walk idle">Type a prompt first (or click an example).</div>')
+    strategy = STRATEGIES.get(strategy_label, "knn")
+    if strategy == "ar" or studio.calibration is None:
+        strategy = "knn" if studio.calibration is not None else "ar"
+    # teaching: model drafts only (no lookup), so every draft shows the draft's probabilities
+    err, got = problem(prompt, lambda: (make_config(256, gamma, 0.0, 0.0, 1.0, "int8"), safe_k(k)))
+    if err:
+        return dict(session=session, walk=f'<div class="walk idle">{html.escape(err)}</div>')
+    cfg, k = got
+    strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
+    events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
+    start = next(events)
+    route = start.route.to_dict() if start.route else None
+    skip = start.skip.to_dict() if start.skip else None
+    desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
+            "sublayers" if route and skip else
+            f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
+    walk = Walk(events, clean_prompt(prompt).strip(), desc, ids=[start.first_token])
+    _advance(studio, walk)
+    session.walk = walk
+    return dict(session=session, walk=walk_view(studio, walk))
+
+
+def walk_phase(studio: Studio, session, phase: str):
+    session = get_session(session)
+    if session.walk is not None and session.walk.step is not None:
+        session.walk.phase = phase
+    return dict(session=session, walk=walk_view(studio, session.walk))
+
+
+def walk_next(studio: Studio, session):
+    session = get_session(session)
+    if session.walk is not None and not session.walk.done:
+        _advance(studio, session.walk)
+    return dict(session=session, walk=walk_view(studio, session.walk))
+
+
+def walk_auto(studio: Studio, session, steps: int = 8, pause: float = 0.9):
+    """Auto-play: draft → verify → accept → next, a pause between phases."""
+    session = get_session(session)
+    walk = session.walk
+    if walk is None:
+        yield dict(session=session, walk=walk_view(studio, None))
+        return
+    for _ in range(int(steps)):
+        for phase in vwalk.PHASES:
+            if walk.step is None:
+                return
+            walk.phase = phase
+            yield dict(session=session, walk=walk_view(studio, walk))
+            time.sleep(pause)
+        _advance(studio, walk)
+        if walk.done:
+            yield dict(session=session, walk=walk_view(studio, walk))
+            return
+
+
+def stop_walk(session) -> dict:
+    session = get_session(session)
+    session.stop = True
+    return dict(session=session)
