@@ -145,44 +145,47 @@ def _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft):
     return problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p, draft), safe_k(k)))
 
 
-def _refused(session: Session, err: str) -> dict:
-    return dict(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
-
-
 def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
              temperature, top_p, k, draft=DEFAULT_DRAFT):
     """Generate: stream coloured tokens, stats and (when they change) the two figures."""
-    session = get_session(session)
-    err, got = _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft)
-    if err:
-        yield _refused(session, err)
-        return
-    cfg, k = got
-    strategy = STRATEGIES.get(strategy_label, "knn")
-    session.race = None
-    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
-        yield dict(session=session, **update)
-    cost, what_if_fig = cost_view(studio, session.run, None)
-    yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
-               stats=stats_view(session.run, session.race))
+    yield from _speculate(studio, False, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+                          temperature, top_p, k, draft)
 
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
          temperature, top_p, k, draft=DEFAULT_DRAFT):
     """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
+    yield from _speculate(studio, True, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+                          temperature, top_p, k, draft)
+
+
+def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, domain, max_new, gamma,
+               threshold, temperature, top_p, k, draft):
+    """Generate's and Race's shared body: check the request, stream the strategy; then the cost panel
+    (Generate) or the autoregressive lap and the lossless check (Race)."""
     session = get_session(session)
     err, got = _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft)
     if err:
-        yield _refused(session, err)
+        yield dict(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
-    cfg, k = got
-    strategy = STRATEGIES.get(strategy_label, "knn")
-    if strategy == "ar":
-        strategy = "knn" if studio.calibration is not None else "ar"
+    (cfg, k), strategy = got, STRATEGIES.get(strategy_label, "knn")
     session.race = None
-    yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
+    if racing:
+        if strategy == "ar":
+            strategy = "knn" if studio.calibration is not None else "ar"
+        yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
     for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
         yield dict(session=session, **update)
+    if not racing:
+        cost, what_if_fig = cost_view(studio, session.run, None)
+        yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
+                   stats=stats_view(session.run, session.race))
+        return
+    yield from _ar_lap(studio, session, prompt, cfg)
+
+
+def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
+    """The race's second lap: autoregressive on the same prompt, then speeds and the lossless check."""
     run = session.run
     if session.stop:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
