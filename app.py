@@ -17,8 +17,7 @@ T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone r
 # OpenMP's wait policy is left at its default (spin briefly, then sleep): on two cores of its own,
 # sleeping threads made every small matmul pay a wake-up, and the int8 draft step took 34 ms instead
 # of 16 ms. On a CPU shared with other heavy jobs, set OMP_WAIT_POLICY=PASSIVE before starting.
-# numba (UMAP) would otherwise load a second OpenMP runtime beside torch's (see viz.studio).
-os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+# numba's threading layer (UMAP) is set where the resources load, in viz.studio.
 
 import argparse
 import inspect
