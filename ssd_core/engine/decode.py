@@ -97,6 +97,7 @@ class Step:
     finished: bool = False
     source: str = ""                  # who drafted: "model", "lookup" (prompt lookup) or "" (none)
     forecast: Forecast | None = None  # the strategy's prediction when it (re)chose its set this step
+    verify_probs: tuple[float, ...] = ()  # the verifier's probability of its token at each position
 
     @property
     def speculative(self) -> bool:
@@ -247,15 +248,19 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
     logits = bb.forward([pending] + drafted, cache, EMPTY, logits="all")
     t_accept = time.perf_counter()
     if greedy:
-        verified = tuple(logits.argmax(-1).tolist())
+        top = logits.argmax(-1)       # on the logits, as transformers does: ties resolve the same way
+        p_top = torch.softmax(logits.float(), -1).gather(-1, top[:, None])[:, 0]
+        verified, verify_probs = tuple(top.tolist()), tuple(p_top.tolist())
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == verified[accepted]:
             accepted += 1
         committed = tuple(drafted[:accepted]) + (verified[accepted],)
     else:
         accepted, bonus = _speculative_sample(logits, drafted, q_rows, cfg, gen)
+        p_rows = _probs(logits, cfg)   # again, for the record: the rule above may be swapped in tests
         committed = tuple(drafted[:accepted]) + (bonus,)
         verified = committed
+        verify_probs = tuple(float(p_rows[i, t]) for i, t in enumerate(committed))
     cache.crop(n + accepted + 1)
     t_end = time.perf_counter()
     draft_s, verify_s = t_verify - t_draft, t_accept - t_verify
@@ -264,7 +269,7 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
                 verified=verified, accepted=accepted, committed=committed, skip=skip,
                 draft_s=draft_s, verify_s=verify_s,
                 overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note,
-                source=source, forecast=decision.forecast)
+                source=source, forecast=decision.forecast, verify_probs=verify_probs)
 
 
 def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:
