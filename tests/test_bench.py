@@ -340,3 +340,20 @@ def test_draft_kind_and_lookup_are_settings_of_the_run(tiny, tiny_calibration, q
     for run in runs.values():
         assert run["lossless"] is True
         assert run["strategies"]["static"]["predicted_speedup_measured_alpha"] > 0
+
+
+def test_traces_option_writes_a_replayable_trace_per_run(tiny, tiny_calibration, question_file, tmp_path):
+    from ssd_core.engine.trace import Trace
+    out, traces = tmp_path / "run", tmp_path / "traces"
+    assert _main(tiny, tiny_calibration, question_file, out, "--strategies", "ar,knn,knapspec", "--limit", "1",
+                 "--traces", str(traces)) == 0
+    for name in ("ar", "knn", "knapspec"):
+        answers = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert sorted(p.name for p in (traces / name).iterdir()) == sorted(f"{a['question_id']}.json"
+                                                                         for a in answers)
+        for a in answers:
+            trace = Trace.load(traces / name / f"{a['question_id']}.json")
+            assert trace.strategy == name and trace.meta["question_id"] == a["question_id"]
+            choice = a["choices"][0]
+            assert trace.text == choice["turns"][0] and trace.stats.new_tokens == choice["new_tokens"][0]
+            assert list(trace.stats.accept_lengths) == choice["accept_lengths"][0]

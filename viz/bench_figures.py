@@ -92,12 +92,15 @@ def markdown_report(summary: dict) -> str:
     """The bench's results.md: overall, per category, routing, and how the numbers were measured."""
     hf = summary.get("hf_generate_tokens_per_s")
     bw = summary.get("ar_bandwidth_gb_s")
+    lat = summary.get("settings", {}).get("latency_profiled_on")     # the CLI records it
     lines = [f"# Benchmark: {summary.get('model', '?')}", "",
              f"lossless: **{summary.get('lossless')}**  ·  prompts: {len(summary.get('order', []))}  ·  "
              f"max new tokens: {summary.get('settings', {}).get('max_new_tokens')}  ·  "
              f"γ: {summary.get('settings', {}).get('gamma')}  ·  "
              f"mix ratio: {summary.get('settings', {}).get('mix_ratio')}  ·  "
-             f"truncated prompts: {summary.get('truncated_prompts', 0)}", ""]
+             f"truncated prompts: {summary.get('truncated_prompts', 0)}", "",
+             f"device: **{summary.get('device') or 'cpu'}**"          # runs before it was recorded: all CPU
+             + (f"  ·  latency model profiled on: {lat}" if lat else ""), ""]
     if hf:
         lines += [f"`model.generate` greedy: {hf:.1f} tokens/s; the core's `ar` loop reaches "
                   f"{_num(summary.get('ar_vs_hf_generate'), 3)}× that on the same prompts; "
@@ -221,7 +224,8 @@ def fixed_saving_table(scaling: dict) -> str:
 def scaling_report(scaling: dict) -> str:
     lines = [f"# Scaling with context length: {scaling.get('model', '?')}", "",
              f"{scaling.get('settings', {}).get('new_tokens')} new tokens per run, "
-             f"γ = {scaling.get('settings', {}).get('gamma')}, lossless: **{scaling.get('lossless')}**.", "",
+             f"γ = {scaling.get('settings', {}).get('gamma')}, lossless: **{scaling.get('lossless')}**, "
+             f"device: {scaling.get('device') or 'cpu'}.", "",
              scaling_table(scaling), "", "## KnapSpec's choice as attention gets dearer", "",
              knapspec_sweep_table(scaling), ""]
     fixed = fixed_saving_table(scaling)

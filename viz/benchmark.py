@@ -36,6 +36,7 @@ def summary_html(summary: dict | None, source: str = "") -> str:
     draft = summary.get("settings", {}).get("draft_label")
     if draft:
         badge += f' · <span class="muted">{escape(draft)}{" + prompt lookup" if summary["settings"].get("lookup") else ""}</span>'
+    badge += f' · <span class="muted">on {escape(str(summary.get("device") or "cpu"))}</span>'   # older runs: CPU
     head = (f'<div class="bench-head">model <b>{escape(str(summary.get("model", "?")))}</b> · {badge}'
             + (f' · <span class="muted">{escape(source)}</span>' if source else "") + "</div>")
     table = ('<table class="bench-table"><tr><th>strategy</th><th>tokens/s</th><th>speedup vs AR</th>'

@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from ssd_core.calibration.latency import acceptance_for_tau as effective_acceptance
 from ssd_core.calibration.latency import speedup
+from ssd_core.engine.device import same_device
 
 from .theme import ACCEPTED, INK, MUTED, REJECTED, base_layout
 from .tokens import escape
@@ -50,14 +51,29 @@ def _run_row(m: dict, tau: float | None) -> list[str]:
                  f"bookkeeping o = {m.get('overhead', 0.0):.2f}")]
 
 
+def device_row(profiled_on: str, runs_on: str | None = None) -> str:
+    """Which device the latency model was profiled on; a warning when the app runs on another."""
+    if runs_on is None or same_device(profiled_on, runs_on):
+        return _row("latency model", f"profiled on {profiled_on}",
+                    f"this app runs on {runs_on} too" if runs_on else "")
+    return _row("latency model", f"profiled on {profiled_on}",
+                f"this app runs on {runs_on}: the predictions come from {profiled_on}, not from this device "
+                f"(re-profile: python -m ssd_core.calibrate --reprofile --device {runs_on.split(':')[0].split()[0]})")
+
+
 def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, tau: float | None,
               measured_speedup: float | None = None, measured: dict | None = None,
-              alpha_source: str = "this run") -> str:
-    """b: LatencyModel.breakdown(...) for the set in use at this run's acceptance."""
+              alpha_source: str = "this run", profiled_on: str = "cpu", runs_on: str | None = None) -> str:
+    """b: LatencyModel.breakdown(...) for the set in use at this run's acceptance.
+
+    profiled_on: the device the latency model was measured on (LatencyModel.device_words);
+    runs_on: the device the app runs on (engine.device.device_label), None if unknown.
+    """
     g, c, v, e = b["gamma"], b["draft_cost"], b["verify_cost"], b["expected_tokens"]
     step, pred, best, be = b["step_cost"], b["predicted_speedup"], b["best_speedup"], b["break_even"]
     m = measured or {}
     rows = [
+        device_row(profiled_on, runs_on),
         _row("draft cost c", f"{c:.2f} of a full step",
              f"{b['draft_step_ms']:.1f} ms vs {b['full_step_ms']:.1f} ms per full step (latency model"
              f", context {b['context_len']})" + (f"; this run measured {m['c']:.2f}" if m.get("c") else "")),
@@ -77,11 +93,12 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
              "break-even needs α ≥ " + f"{be:.2f}" if be is not None else "even α = 1 cannot beat autoregressive"),
     ]
     fixed = b["head_ms"] + b["overhead_ms"]
-    why = (f"On this machine a full step is {b['full_step_ms']:.1f} ms, of which {fixed:.1f} ms "
+    on_cpu = profiled_on.startswith("cpu")
+    why = (f"On {profiled_on} a full step is {b['full_step_ms']:.1f} ms, of which {fixed:.1f} ms "
            f"(lm_head {b['head_ms']:.1f} ms + per-forward overhead {b['overhead_ms']:.1f} ms) is paid by every "
            f"draft step no matter how many layers it skips; an attention sublayer costs {b['attn_ms']:.2f} ms and "
            f"an MLP {b['mlp_ms']:.2f} ms. Skipping part of a 135M model therefore saves little (c = {c:.2f}), "
-           f"and checking {g + 1} tokens at once is not free on a CPU (v = {v:.2f}). "
+           f"and checking {g + 1} tokens at once is not free {'on a CPU' if on_cpu else 'here'} (v = {v:.2f}). "
            "On a GPU a large model is memory-bound: verifying a few tokens costs about one step (v ≈ 1), "
            "and skipping half the layers nearly halves a draft step — that is where self-speculation wins.")
     verdict_cls = "good" if (measured_speedup or pred) >= 1 else "bad"
@@ -94,13 +111,14 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
 
 def what_if_figure(gamma: int, c_here: float, v_here: float, alpha_here: float | None = None,
                    v_big: float = GPU_VERIFY, c_big: float | None = None, height: int = 380,
-                   label: str = "this run") -> go.Figure:
+                   label: str = "this run", here: str = "this machine") -> go.Figure:
     """alpha_here: where the star sits (best: the effective acceptance of the run's τ).
-    c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read)."""
+    c_big: the same skip set's draft cost on a memory-bound GPU (≈ share of weights still read).
+    here: where v_here was measured, for the left panel's title ("this CPU", "this GPU")."""
     alphas = np.linspace(0, 1, 51)
     cs = np.linspace(0.05, 1.0, 40)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
-        f"this model on this CPU · v = {v_here:.2f}", f"large model on a GPU · v ≈ {v_big:.2f}"))
+        f"this model on {here} · v = {v_here:.2f}", f"large model on a GPU · v ≈ {v_big:.2f}"))
     scale = [[0.0, "#e8a59c"], [1 / 3, REJECTED.tint], [1 / 3 + 1e-3, ACCEPTED.tint], [1.0, ACCEPTED.key]]
     for col, v in ((1, v_here), (2, v_big)):
         z = np.array([[speedup(a, c, v, gamma) for a in alphas] for c in cs])

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine.backbone import Backbone
+from ..engine.device import add_device_argument
 from ..engine.draft import DRAFT_KINDS
 from ..engine.loading import load_backbone
 from ..policies.knapspec import fit_kappa, prompt_similarity
@@ -51,8 +52,8 @@ def embed_prompts(bb: Backbone, prompts: list[str], max_prompt_tokens: int, desc
     for p in tqdm(prompts, desc=desc, disable=not progress, leave=False):
         ids = bb.encode(p, max_tokens=max_prompt_tokens)
         pre = bb.prefill(ids, bb.new_cache(len(ids) + 1))
-        user.append(pre.embedding.float().numpy())
-        whole.append(pre.embedding_all.float().numpy())
+        user.append(pre.embedding.float().cpu().numpy())
+        whole.append(pre.embedding_all.float().cpu().numpy())
     return np.stack(user), np.stack(whole)
 
 
@@ -125,9 +126,10 @@ def predicted_speedups(latency, domain_sets, static, matrix, gamma, drafts=None)
     return out
 
 
-def reprofile(folder: Path, model: str | None = None, progress: bool = True) -> cal_io.Calibration:
-    """Re-measure only the latency model (e.g. on a quiet machine) and rewrite the calibration."""
-    bb = load_backbone(model, threads=torch.get_num_threads())
+def reprofile(folder: Path, model: str | None = None, progress: bool = True,
+              device: str | torch.device = "auto") -> cal_io.Calibration:
+    """Re-measure only the latency model (e.g. on a quiet machine, or on a GPU) and rewrite the calibration."""
+    bb = load_backbone(model, threads=torch.get_num_threads(), device=device)
     cal = cal_io.load(folder, bb)
     t = time.perf_counter()
     prompts = load_prompts()
@@ -142,6 +144,7 @@ def reprofile(folder: Path, model: str | None = None, progress: bool = True) -> 
     cal.meta["timings"]["latency_s"] = round(time.perf_counter() - t, 1)
     cal.meta["latency_fit"] = fit_report(cal.latency)
     cal.meta["machine"]["threads"] = torch.get_num_threads()
+    cal.meta["machine"]["device"] = cal.latency.device
     cal.meta["predicted_speedup"] = predicted_speedups(cal.latency, cal.domain_sets, cal.static,
                                                        cal.matchness, gamma, cal.drafts)
     cal.meta.pop("files", None)
@@ -155,9 +158,11 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               backbone: Backbone | None = None, profile_kw: dict | None = None,
               umap: bool = True, progress: bool = True,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
-              skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True
-              ) -> cal_io.Calibration:
+              skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
+              device: str | torch.device = "auto") -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
+    device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
+    the latency model is profiled there.
 
     search_mode "speed" maximises predicted speedup above that floor; "matchness" (KNN-SSD) fixes
     every set at `skip_ratio` of the 2·L sublayers and maximises matchness. check_margin: how much
@@ -171,7 +176,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     """
     t_start = time.perf_counter()
     timings = {}
-    bb = backbone or load_backbone(model, threads=torch.get_num_threads())
+    bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
     prompts = load_prompts(domain_dir)
     splits = {d: split(ps) for d, ps in prompts.items()}
 
@@ -264,7 +269,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
         "domains": list(prompts), "domains_hash": domains_hash(domain_dir),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+                    "threads": torch.get_num_threads(), "torch": torch.__version__, "device": latency.device},
         "settings": {"budget": budget, "gamma": gamma, "prompts_per_domain": prompts_per_domain,
                      "held_out_per_domain": held_out_per_domain,
                      "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
@@ -324,11 +329,12 @@ def main(argv=None):
                     help="only re-measure the latency model and the draft calibration (small head, "
                          "acceptance per draft kind) of an existing calibration")
     ap.add_argument("--no-umap", action="store_true", help="skip the UMAP fit (no domain map in the app)")
+    add_device_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else cal_io.default_folder(args.model)
     if args.reprofile:
-        cal = reprofile(out, args.model)
+        cal = reprofile(out, args.model, device=args.device)
         print(json.dumps({"out": str(out), "latency_fit": cal.meta["latency_fit"],
                           "predicted_speedup": cal.meta["predicted_speedup"]}, indent=1))
         return
@@ -337,7 +343,7 @@ def main(argv=None):
                     continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
                     draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
-                    check_margin=args.check_margin, resume=not args.fresh)
+                    check_margin=args.check_margin, resume=not args.fresh, device=args.device)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

@@ -1,4 +1,4 @@
-"""Latency model, profiled on the machine it runs on (KnapSpec's cost side).
+"""Latency model, profiled on the machine and device it runs on (KnapSpec's cost side).
 
 One single-token forward with skip set S at context length C is modelled as
     t(S, C) = overhead + head + (L − |S.attn|)·(a + b·C) + (L − |S.mlp|)·m
@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..engine.backbone import EMPTY, Backbone
+from ..engine.device import device_label
 from ..engine.skipset import SkipSet
 
 
@@ -72,6 +73,16 @@ class LatencyModel:
     machine: dict = field(default_factory=dict)
     # per draft kind ("int8", ...): the same sublayer costs measured on the draft weights (draft.py)
     drafts: dict[str, dict] = field(default_factory=dict)
+    # the device the costs were measured on (engine.device.device_label); older profiles: the CPU
+    device: str = "cpu"
+
+    @property
+    def device_words(self) -> str:
+        """The profiled device in words, e.g. "cpu (2 threads)" (older profiles: threads from `machine`)."""
+        threads = self.machine.get("threads")
+        if self.device == "cpu" and threads:
+            return f"cpu ({threads} thread{'' if threads == 1 else 's'})"
+        return self.device
 
     # --- costs -------------------------------------------------------------------------------
     def attn_time(self, context_len: int) -> float:
@@ -169,8 +180,10 @@ def _time_forward(bb: Backbone, cache, n_tokens: int, context: int, skip: SkipSe
     times = []
     for _ in range(repeats):
         cache.length = context
+        bb.sync()                     # CUDA runs kernels asynchronously: time finished work only
         t = time.perf_counter()
         bb.forward(ids, cache, skip, logits="all" if n_tokens > 1 else "last", draft=draft)
+        bb.sync()
         times.append(time.perf_counter() - t)
     cache.length = 0
     # the minimum: timing noise on a shared CPU only ever adds time
@@ -206,12 +219,14 @@ def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None
     a, b = _fit_line([p["context"] for p in points], [p["attn_ms"] / 1000 for p in points])
     mlp = max(1e-6, statistics.median(p["mlp_ms"] for p in points) / 1000)
     bare = statistics.median(p["bare_ms"] for p in points) / 1000
-    x = torch.zeros(1, bb.hidden, dtype=bb.dtype)
+    x = torch.zeros(1, bb.hidden, dtype=bb.dtype, device=bb.device)
     head_fn = (lambda: torch.nn.functional.linear(x, bb.lm_head)) if draft is None else (lambda: draft.head(x))
     head_times = []
     for _ in range(repeats):
+        bb.sync()
         t = time.perf_counter()
         head_fn()
+        bb.sync()
         head_times.append(time.perf_counter() - t)
     head = min(head_times)
     bar.update()
@@ -221,7 +236,7 @@ def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None
 
 def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4, 5, 7, 9),
             repeats: int = 9, progress: bool = True, drafts=("int8",)) -> LatencyModel:
-    """Measure sublayer, lm_head, overhead and verify costs with real forwards on this machine.
+    """Measure sublayer, lm_head, overhead and verify costs with real forwards on the model's device.
 
     drafts: draft kinds (draft.py) whose costs are measured too, each on its own weights (with the
     backbone's small draft head, if one is installed).
@@ -255,7 +270,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
                "torch": torch.__version__, "verify_context": ref}
     points = full.pop("points")
     return LatencyModel(n_layers=bb.n_layers, verify=verify, measured=points, machine=machine,
-                        drafts=kinds, **full)
+                        drafts=kinds, device=device_label(bb.device), **full)
 
 
 def fit_report(model: LatencyModel) -> list[dict]:

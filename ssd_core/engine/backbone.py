@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .device import device_label
 from .prompt import PromptIds, encode_prompt
 from .skipset import SkipSet
 
@@ -41,9 +42,9 @@ def _rope(x, cos, sin):
 class KVCache:
     """Preallocated keys/values for every layer; `length` positions are valid."""
 
-    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype):
-        self.k = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype)
-        self.v = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype)
+    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None):
+        self.k = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype, device=device)
         self.length = 0
         self.max_len = max_len
 
@@ -67,7 +68,8 @@ class _Layer:
         self.wqkv = torch.cat([p.weight.detach() for p in projs]).contiguous()
         biases = [p.bias for p in projs]
         if any(b is not None for b in biases):
-            self.bqkv = torch.cat([b.detach() if b is not None else torch.zeros(p.out_features)
+            self.bqkv = torch.cat([b.detach() if b is not None else
+                                   torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
                                    for b, p in zip(biases, projs)])
         else:
             self.bqkv = None
@@ -127,6 +129,7 @@ class Backbone:
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg.rms_norm_eps)
         self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device     # every tensor the core makes goes here
         self.embed = inner.embed_tokens.weight.detach()
         self.lm_head = hf_model.lm_head.weight.detach()
         self.norm = inner.norm.weight.detach()
@@ -135,8 +138,8 @@ class Backbone:
         self.max_positions = min(int(getattr(cfg, "max_position_embeddings", max_positions) or max_positions),
                                  max_positions)
         with torch.no_grad():
-            pos = torch.arange(self.max_positions).unsqueeze(0)
-            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype)
+            pos = torch.arange(self.max_positions, device=self.device).unsqueeze(0)
+            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, pos)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
         self.q_size = self.n_heads * self.head_dim
@@ -188,7 +191,12 @@ class Backbone:
     def new_cache(self, max_len: int) -> KVCache:
         if max_len > self.max_positions:
             raise ValueError(f"context of {max_len} tokens exceeds the model's {self.max_positions}")
-        return KVCache(self.n_layers, self.n_kv, max_len, self.head_dim, self.dtype)
+        return KVCache(self.n_layers, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
+
+    def sync(self) -> None:
+        """Wait for queued device work before reading a clock (CUDA runs kernels asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # --- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -202,7 +210,7 @@ class Backbone:
         """
         layers, lin = (self.layers, F.linear) if draft is None else (draft.layers, draft.linear)
         if not torch.is_tensor(ids):
-            ids = torch.tensor(ids, dtype=torch.long)
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         p0, end = cache.length, cache.length + ids.shape[0]
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")
@@ -252,7 +260,8 @@ class Backbone:
         """Queries at p0..end-1 over keys 0..end-1, repeated for the GQA group (None for one token)."""
         if end - p0 <= 1:
             return None
-        return (torch.arange(end).unsqueeze(0) <= torch.arange(p0, end).unsqueeze(1)).repeat(self.group, 1)
+        return (torch.arange(end, device=self.device).unsqueeze(0)
+                <= torch.arange(p0, end, device=self.device).unsqueeze(1)).repeat(self.group, 1)
 
     @torch.inference_mode()
     def prefill(self, prompt: PromptIds, cache: KVCache) -> Prefill:
@@ -280,6 +289,6 @@ class Backbone:
     def describe(self) -> dict:
         return {"model": self.name, "n_layers": self.n_layers, "hidden": self.hidden,
                 "n_heads": self.n_heads, "n_kv_heads": self.n_kv, "vocab": self.vocab,
-                "dtype": str(self.dtype).replace("torch.", ""),
+                "dtype": str(self.dtype).replace("torch.", ""), "device": device_label(self.device),
                 "params_m": round((self.n_layers * (self.attn_params + self.mlp_params)
                                    + self.other_params) / 1e6, 1)}

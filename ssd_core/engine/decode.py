@@ -153,7 +153,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
             raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in "
                              f"the model's {backbone.max_positions}-token context")
         prompt = backbone.encode(prompt, max_tokens=min(config.max_prompt_tokens or room, room))
-    gen = torch.Generator().manual_seed(config.seed if config.seed is not None else
+    gen = torch.Generator(device=backbone.device).manual_seed(config.seed if config.seed is not None else
                                         int(time.time_ns() % (2 ** 31)))
     budget = config.max_new_tokens
     draft = backbone.draft_weights(config.draft, config.small_head)
@@ -224,7 +224,7 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
         drafted = list(proposal)
         draft_probs = [1.0] * len(drafted)
         if not greedy:
-            q_rows = [F.one_hot(torch.tensor(d), bb.vocab).float() for d in drafted]
+            q_rows = [F.one_hot(torch.tensor(d, device=bb.device), bb.vocab).float() for d in drafted]
     x = pending
     for _ in range(0 if proposal else gamma):
         logits = bb.forward([x], cache, skip, draft=draft)
@@ -246,6 +246,7 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
     t_verify = time.perf_counter()
     cache.crop(n)
     logits = bb.forward([pending] + drafted, cache, EMPTY, logits="all")
+    bb.sync()                         # CUDA: the verify pass has run before the clock is read
     t_accept = time.perf_counter()
     if greedy:
         top = logits.argmax(-1)       # on the logits, as transformers does: ties resolve the same way
@@ -278,7 +279,7 @@ def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:
     for i, d in enumerate(drafted):
         p, q = p_rows[i], q_rows[i]
         ratio = float(p[d]) / max(float(q[d]), 1e-20)
-        u = float(torch.rand((), generator=gen))
+        u = float(torch.rand((), generator=gen, device=gen.device))
         if u < min(1.0, ratio):
             continue
         residual = torch.clamp(p - q, min=0.0)

@@ -11,6 +11,10 @@ Draft kinds (`DraftWeights.kind`):
   matrix, 2× on down, 5-10× on the 49152×576 lm_head; the small q/k/v and o matrices gain little. The
   other weight-only kernels in PyTorch's CPU build were slower here (int8pack with fp32 activations
   7-10×, int4pack with fp32 activations 10-30× slower; with bf16 activations they sit between).
+  That kernel is CPU-only: on another device (CUDA) the int8 draft keeps the same per-channel int8
+  rounding of the weights but holds them dequantised in the model's dtype and runs ordinary matmuls
+  (weight-only: activations stay in full precision). It drafts like the int8 draft but costs what
+  fp32 costs; its label says so ("int8-rounded draft, run in float32 on cuda").
 
 Small draft head (FR-Spec): the draft's lm_head keeps only `head_ids`, the tokens the model itself
 emits most often on the calibration prompts. Logits of every other token are -inf in the draft, so a
@@ -33,9 +37,10 @@ def _int8_pack(w: torch.Tensor, bias: torch.Tensor | None = None):
     """Per-output-channel symmetric int8 weights, prepacked for the dynamic-quantisation kernel."""
     w = w.detach().float().contiguous()
     scale = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long, device=w.device)
     with warnings.catch_warnings():     # quantised tensors are deprecated in favour of torchao (torch is pinned)
         warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
     return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
 
 
@@ -43,18 +48,27 @@ def _int8_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x, packed, False)
 
 
+def _int8_rounded(w: torch.Tensor) -> torch.Tensor:
+    """The same per-output-channel symmetric int8 rounding, dequantised to w's dtype (any device)."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-12)
+    return (torch.round(wf / scale).clamp_(-128, 127) * scale).to(w.dtype).contiguous()
+
+
 class _DraftLayer:
-    """One decoder layer's draft weights: the same norms, quantised matmuls (bias prepacked)."""
+    """One decoder layer's draft weights: the same norms, int8 matmuls (CPU kernel: bias prepacked;
+    elsewhere the int8-rounded weights dequantised, with the bias kept apart)."""
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
 
-    def __init__(self, layer):
+    def __init__(self, layer, kernel: bool = True):
         self.ln1, self.ln2 = layer.ln1, layer.ln2
-        self.wqkv = _int8_pack(layer.wqkv, layer.bqkv)
-        self.bqkv = None                        # inside the packed weights
-        self.wo = _int8_pack(layer.wo)
-        self.wgu = _int8_pack(layer.wgu)
-        self.wdown = _int8_pack(layer.wdown)
+        pack = _int8_pack if kernel else (lambda w, b=None: _int8_rounded(w))
+        self.wqkv = pack(layer.wqkv, layer.bqkv)
+        self.bqkv = None if kernel else layer.bqkv     # CPU: inside the packed weights
+        self.wo = pack(layer.wo)
+        self.wgu = pack(layer.wgu)
+        self.wdown = pack(layer.wdown)
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class DraftHead:
         out = self.linear(x, self.weight, None)
         if self.ids is None:
             return out
-        full = torch.full((*out.shape[:-1], self.vocab), float("-inf"), dtype=out.dtype)
+        full = torch.full((*out.shape[:-1], self.vocab), float("-inf"), dtype=out.dtype, device=out.device)
         return full.index_copy_(-1, self.ids, out)
 
     @property
@@ -81,20 +95,32 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None, int8_kernel: bool | None = None):
+        """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
+        False keeps dequantised int8-rounded weights instead (the path for CUDA)."""
         if kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         self.kind = kind
+        device = backbone.device
+        self.kernel = device.type == "cpu" if int8_kernel is None else bool(int8_kernel)
+        dtype = str(backbone.dtype).replace("torch.", "")
+        # what the label adds when the int8 draft cannot use the int8 kernel (honest about its speed)
+        self.where = "" if kind != "int8" or self.kernel else \
+            f"int8-rounded weights run in {dtype} on {device.type}: no int8 kernel there"
         ids = None
         if head_ids is not None and len(head_ids) < backbone.vocab:
-            ids = torch.as_tensor(sorted({int(i) for i in head_ids}), dtype=torch.long)
+            ids = torch.as_tensor(sorted({int(i) for i in head_ids}), dtype=torch.long, device=device)
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= backbone.vocab:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
-        if kind == "int8":
+        if kind == "int8" and self.kernel:
             self.layers = [_DraftLayer(layer) for layer in backbone.layers]
             self.linear = _int8_linear
             self.head = DraftHead(_int8_pack(head_w), ids, backbone.vocab, _int8_linear)
+        elif kind == "int8":
+            self.layers = [_DraftLayer(layer, kernel=False) for layer in backbone.layers]
+            self.linear = F.linear
+            self.head = DraftHead(_int8_rounded(head_w), ids, backbone.vocab, F.linear)
         else:
             self.layers = backbone.layers
             self.linear = F.linear
@@ -104,12 +130,16 @@ class DraftWeights:
     def label(self) -> str:
         """Plain words for the UI: "int8 draft, 8k-token head"."""
         head = "" if self.head.ids is None else f", {self.head.size / 1000:.0f}k-token head"
-        return f"{self.kind} draft{head}"
+        return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
     def extra_bytes(self) -> int:
         """Memory the draft copy adds beside the fp32 weights (int8 weights + scales)."""
-        if self.kind == "fp32":
-            return 0 if self.head.ids is None else int(self.head.weight.numel()) * 4
+        if self.kind == "fp32" or not self.kernel:     # fp32 (head only) or dequantised copies
+            weights = [] if self.kind == "fp32" else [w for layer in self.layers
+                                                      for w in (layer.wqkv, layer.wo, layer.wgu, layer.wdown)]
+            if self.kind != "fp32" or self.head.ids is not None:
+                weights.append(self.head.weight)
+            return sum(int(w.numel()) * w.element_size() for w in weights)
         n = 0
         for layer in self.layers:
             for packed in (layer.wqkv, layer.wo, layer.wgu, layer.wdown):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, UnsupportedModelError
+from .device import add_device_argument, device_label, resolve_device  # noqa: F401  (one place to import)
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,16 @@ def model_slug(spec: str | None) -> str:
 
 
 def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
-                  threads: int | None = None, max_positions: int = 8192) -> Backbone:
-    """Load a model: the embedded SmolLM2 (default), a .gguf path, a local HF folder or an HF id."""
+                  threads: int | None = None, max_positions: int = 8192,
+                  device: str | torch.device = "cpu") -> Backbone:
+    """Load a model: the embedded SmolLM2 (default), a .gguf path, a local HF folder or an HF id.
+
+    device: "cpu", "cuda" or "auto" (CUDA when available); the weights are moved there once, and the
+    Backbone creates every tensor of a decode there.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)         # before any loading: a bad --device fails fast
     if threads:
         torch.set_num_threads(int(threads))
     if isinstance(dtype, str):
@@ -226,4 +233,6 @@ def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
         name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
     model.eval()
+    if device.type != "cpu":
+        model.to(device)
     return Backbone(model, tok, name=name, max_positions=max_positions)

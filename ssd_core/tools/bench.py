@@ -32,8 +32,10 @@ import torch
 from ..calibration.latency import expected_tokens
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
+from ..engine.device import add_device_argument, device_label
 from ..engine.draft import DRAFT_KINDS
 from ..engine.generate import generate
+from ..engine.trace import record as record_trace
 from ..policies.oracle import ORACLE_CATEGORY_DOMAIN
 from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, parse_strategies
 from .specbench import Question, answer_line, load_questions, mix_order, select, switch_rate
@@ -117,11 +119,12 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
               max_prompt_tokens: int | None = None, mix_ratio: float = 0.0, seed: int = 0,
               hf_generate_every: int = 1, warmup: bool = True, progress: bool = True,
               settings: dict | None = None, draft: str = "int8", lookup: bool = True,
-              adaptive: bool = True) -> BenchRun:
+              adaptive: bool = True, traces=None) -> BenchRun:
     """Run every strategy on every question, interleaved per prompt; return the summary and answers.
 
     draft / lookup: the draft's weights and prompt-lookup drafts (DecodeConfig); adaptive: the
-    latency model picks each step's draft length ≤ gamma.
+    latency model picks each step's draft length ≤ gamma; traces: a folder to write every run's
+    trace to (`<strategy>/<question_id>.json`, the app's replay format).
     """
     from tqdm.auto import tqdm
 
@@ -172,6 +175,10 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
             rec = _record(gen, name, q, ids, calibration, gamma, draft)
             rec["truncated"] = ids.truncated
             records[name].append(rec)
+            if traces is not None:
+                record_trace(backbone, q.prompt, name, cfg, gen.start, gen.steps, gen.stats.wall_s,
+                             question_id=q.question_id, category=q.category, source="ssd_core.bench",
+                             started=started).save(Path(traces) / name / f"{q.question_id}.json")
             if run_hf:
                 hf_strategy_records[name].append(rec)
             bar.update()
@@ -268,7 +275,7 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
     truncated = [r["question_id"] for r in ar if r.get("truncated")]
     summary = {
         "model": backbone.name,
-        "model_info": backbone.describe(),
+        "model_info": backbone.describe(), "device": device_label(backbone.device),
         "calibration": str(calibration.folder) if calibration.folder else None,
         "calibration_created": calibration.meta.get("created"),
         "lossless": not failures,
@@ -350,7 +357,10 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--no-figures", action="store_true",
                     help="do not print the command that renders the tables and figures")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--traces", default=None, metavar="DIR",
+                    help="also write every run as a trace the app can replay: DIR/<strategy>/<question_id>.json")
     ap.add_argument("--out", required=True, help="output folder")
+    add_device_argument(ap)
     args = ap.parse_args(argv)
 
     from .. import calibration as cal_io
@@ -360,17 +370,17 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     names = parse_strategies(args.strategies)
     questions = select(load_questions(args.questions),
                        args.categories.split(",") if args.categories else None, args.limit)
-    bb = backbone or load_backbone(args.model, threads=args.threads)
+    bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)
     folder = Path(args.calibration) if args.calibration else cal_io.default_folder(args.model)
     cal = cal_io.load(folder, bb)
     settings = {"questions": args.questions, "limit": args.limit, "categories": args.categories,
                 "model": args.model, "calibration": str(folder), "threads": args.threads,
-                "out": args.out}
+                "out": args.out, "latency_profiled_on": cal.latency.device_words}
     run = run_bench(bb, cal, questions, names, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                     max_prompt_tokens=args.max_prompt_tokens, mix_ratio=args.mix_ratio, seed=args.seed,
                     hf_generate_every=args.hf_generate_every, warmup=not args.no_warmup,
                     progress=not args.no_progress, settings=settings, draft=args.draft,
-                    lookup=not args.no_lookup, adaptive=not args.fixed_gamma)
+                    lookup=not args.no_lookup, adaptive=not args.fixed_gamma, traces=args.traces)
     write_outputs(run, args.out)
     print(plain_table(run.summary))
     print(f"\nwrote {args.out}/summary.json and {len(run.answers)} answer files")

@@ -36,7 +36,7 @@ def example_skip(n_layers: int) -> SkipSet:
 
 
 def _hf_generate_tps(bb, prompt: str, n: int) -> float:
-    ids = torch.tensor([bb.encode(prompt).ids])
+    ids = torch.tensor([bb.encode(prompt).ids], device=bb.device)
     with torch.inference_mode():
         t = time.perf_counter()
         out = bb.hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)

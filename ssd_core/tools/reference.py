@@ -36,11 +36,13 @@ def cut_at_eos(ids, eos_ids) -> tuple:
 
 def hf_generate(backbone: Backbone, prompt_ids, max_new_tokens: int) -> dict:
     """Greedy `model.generate` on the same prompt ids, timed (its new tokens, cut at EOS)."""
-    ids = torch.tensor([prompt_ids.ids])
+    ids = torch.tensor([prompt_ids.ids], device=backbone.device)
     with torch.inference_mode():
+        backbone.sync()
         t = time.perf_counter()
         out = backbone.hf_model.generate(ids, attention_mask=torch.ones_like(ids),
                                          **hf_greedy_kwargs(backbone, max_new_tokens))
+        backbone.sync()
         wall = time.perf_counter() - t
     new = cut_at_eos(out[0, ids.shape[1]:].tolist(), backbone.eos_ids)
     return {"new_tokens": len(new), "wall_s": wall, "token_ids": new, "accept_lengths": []}

@@ -24,6 +24,7 @@ import torch
 from ..calibration.domains import DOMAIN_DIR, load_prompts
 from ..engine.backbone import EMPTY, Backbone
 from ..engine.decode import DecodeConfig
+from ..engine.device import add_device_argument, device_label
 from ..engine.generate import generate
 from ..engine.prompt import PromptIds
 from ..policies.knapspec import choose_skip, knapsack_min_loss, prompt_similarity
@@ -246,7 +247,8 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
     sweep = [c for c in sweep_contexts if c <= backbone.max_positions]
     machine_info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result = {
-        "model": backbone.name, "lossless": not failures, "lossless_failures": failures,
+        "model": backbone.name, "device": device_label(backbone.device), "lossless": not failures,
+        "lossless_failures": failures,
         "points": points,
         "knapspec_sweep": knapspec_sweep(calibration, attn_sim, mlp_sim, sweep, gamma),
         "fixed_saving_sweep": fixed_saving_sweep(calibration, attn_sim, mlp_sim, sweep),
@@ -285,13 +287,14 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default="assets/bench/scaling")
+    add_device_argument(ap)
     args = ap.parse_args(argv)
 
     from .. import calibration as cal_io
     from ..engine.loading import load_backbone
 
     torch.set_num_threads(args.threads)
-    bb = backbone or load_backbone(args.model, threads=args.threads)
+    bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)
     folder = Path(args.calibration) if args.calibration else cal_io.default_folder(args.model)
     cal = cal_io.load(folder, bb)
     result = run_scaling(bb, cal, [int(x) for x in args.lengths.split(",")], args.new_tokens, args.gamma,
