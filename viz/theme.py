@@ -28,9 +28,18 @@ KINDS = {k.name: k for k in (ACCEPTED, REJECTED, VERIFIER)}
 INK = "#1f2933"          # body text
 MUTED = "#52606d"        # secondary text (AA on white: 6.4 : 1)
 GRID = "#e4e7eb"
-RUN = "#eef1f4"          # a sublayer that runs (layer map)
+RUN = "rgba(120,135,150,0.14)"  # a sublayer that runs (layer map): light grey on white, dark grey on dark
 SKIPPED = "#37474f"      # a skipped sublayer when no domain colour applies
-PAPER = "#ffffff"
+PAPER = "rgba(0,0,0,0)"  # figures are transparent: they take the page's background, light or dark
+
+# Gradio's dark theme (`?__theme=dark` puts class "dark" on <body>): the same hues, lighter inks on darker
+# tints (AA on the tint, and on the dark page for text), so tokens, panels and plot text stay legible.
+DARK_BODY = "#0b0f19"    # Gradio's dark page background
+DARK_BLOCK = "#1f2937"   # and its block (panel) background
+DARK_KINDS = {"accepted": Kind("accepted", "#3fbf75", "#173f2a", "#8ee3b1", "accepted draft", "no line"),
+              "rejected": Kind("rejected", "#e5604f", "#4d2220", "#f6aaa0", "rejected draft", "struck through"),
+              "verifier": Kind("verifier", "#5b93da", "#1c3354", "#a8c7f0", "verifier token", "underlined")}
+DARK = {"ink": "#e4e7eb", "muted": "#a3adb8", "grid": "#3e4c59", "run": "#2b3642", "skipped": "#9aa5b1"}
 
 # One qualitative palette (Okabe–Ito based, colour-blind friendly) for the UMAP and the layer grid.
 DOMAIN_COLORS = {
@@ -118,6 +127,11 @@ def css_variables() -> str:
     lines += [f"  --ink: {INK};", f"  --muted: {MUTED};", f"  --grid: {GRID};", f"  --run: {RUN};",
               f"  --skipped: {SKIPPED};"]
     lines += [f"  --domain-{d}: {c};" for d, c in DOMAIN_COLORS.items()]
+    lines.append("}")
+    lines.append(".dark {")
+    for k in DARK_KINDS.values():
+        lines += [f"  --{k.name}-key: {k.key};", f"  --{k.name}-tint: {k.tint};", f"  --{k.name}-ink: {k.ink};"]
+    lines += [f"  --{name}: {c};" for name, c in DARK.items()]
     lines.append("}")
     for cls, k in (("acc", ACCEPTED), ("rej", REJECTED), ("ver", VERIFIER)):
         lines.append(f".tok.{cls} {{ color: var(--{k.name}-ink); background: var(--{k.name}-tint); }}")
