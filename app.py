@@ -27,10 +27,12 @@ from functools import partial
 import gradio as gr
 
 from ssd_core.calibration.domains import DOMAINS
+from ssd_core.engine.device import add_device_argument
 from viz import benchmark as vbench
 from viz import handlers as h
 from viz import stats as vstats
 from viz import tokens as vtok
+from viz import trace_handlers as th
 from viz import walk_handlers as wh
 from viz import session as vs
 from viz.studio import (ALLOWED_MODELS, DEFAULT_DRAFT, DRAFTS, QUEUE_SIZE, ROOT, STRATEGIES, Studio, Update,
@@ -109,7 +111,9 @@ def build(studio: Studio) -> gr.Blocks:
                     with gr.Column(scale=4, min_width=330, elem_id="controls"):
                         prompt = gr.Textbox(label="Prompt", lines=3, max_lines=8, elem_id="prompt",
                                             value=first_examples.get("math", ""))
-                        with gr.Row(elem_id="examples"):
+                        with gr.Row(elem_id="examples"):     # "Try these": one click fills a prompt and races it
+                            gr.HTML('<span title="one click: a held-out prompt of that domain, raced against '
+                                    'autoregressive">Try these ▸</span>', elem_classes=["try-label"])
                             ex_buttons = {d: gr.Button(d, size="sm", min_width=60, elem_classes=["ex", f"ex-{d}"])
                                           for d in studio.examples}
                         strategy = gr.Radio(list(STRATEGIES), value="KNN-SSD" if cal else "autoregressive",
@@ -133,14 +137,27 @@ def build(studio: Studio) -> gr.Blocks:
                             race_btn = gr.Button("Race vs AR", elem_id="race-btn", min_width=80)
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=60, scale=0)
                         race_view = gr.HTML(vstats.race_html(None), elem_id="race")
+                        trace_dl = gr.DownloadButton("⤓ Download this run (trace .json)", value=None, size="sm",
+                                                     interactive=False, elem_id="trace-download")
+                        with gr.Accordion("Replay a trace (no model runs)", open=False, elem_id="replay-box"):
+                            trace_in = gr.File(label="trace file (.json)", file_types=[".json"], type="filepath",
+                                               elem_id="trace-upload", height=90)
+                            with gr.Row():
+                                replay_speed = gr.Dropdown(list(th.SPEEDS), value=th.DEFAULT_SPEED,
+                                                           label="replay speed", min_width=120)
+                                replay_btn = gr.Button("▶ Replay", elem_id="replay-btn", min_width=80)
                     with gr.Column(scale=9, elem_id="outputs"):
                         gr.HTML(vtok.legend_html(), elem_id="legend")
                         tokens = gr.HTML(vs.tokens_view(studio, []), elem_id="tokens")
                         stats = gr.HTML(vs.stats_view(None, None), elem_id="stats")
-                        route = gr.HTML(vs.route_view(None), elem_id="route")
                         with gr.Row(equal_height=True, elem_id="plots-row"):
-                            domain_plot = gr.Plot(vs.map_fig(studio, None), show_label=False, elem_id="domain-map")
-                            layer_plot = gr.Plot(vs.layer_fig(studio, None), show_label=False, elem_id="layer-map")
+                            with gr.Column(scale=6, min_width=320, elem_id="map-col"):   # the map, then its K nearest
+                                map_view = gr.Radio(list(h.MAP_VIEWS), value=h.MAP_VIEWS[0], show_label=False,
+                                                    container=False, elem_id="map-zoom")
+                                domain_plot = gr.Plot(vs.map_fig(studio, None), show_label=False, elem_id="domain-map")
+                                route = gr.HTML(vs.route_view(None), elem_id="route")
+                            layer_plot = gr.Plot(vs.layer_fig(studio, None), show_label=False, elem_id="layer-map",
+                                                 scale=5, min_width=300)
             with gr.Tab("Step through", id="walk"):
                 gr.Markdown("One click per phase of one speculative step. Uses the prompt, strategy and γ of "
                             "the Generate tab (greedy).")
@@ -175,22 +192,29 @@ def build(studio: Studio) -> gr.Blocks:
                     with gr.Accordion(path, open=False):
                         gr.Markdown(text)
             with gr.Tab("About", id="about"):
-                gr.Markdown(ABOUT)
+                gr.Markdown(ABOUT, elem_id="about", latex_delimiters=[{"left": "$$", "right": "$$", "display": True},
+                                                                       {"left": "$", "right": "$", "display": False}])
 
         # --- wiring -------------------------------------------------------------------------------
         gen_inputs = [session, prompt, strategy, oracle_domain, max_new, gamma, threshold, temperature, top_p, k,
                       draft]
-        gen_outputs = [session, tokens, stats, route, domain_plot, layer_plot, race_view, cost, what_if_plot]
+        gen_outputs = [session, tokens, stats, route, domain_plot, layer_plot, race_view, cost, what_if_plot,
+                       trace_dl]
         model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="hidden")
         gen_names = h.GEN_OUTPUTS
         gen_evt = gen_btn.click(wired(h.generate, gen_names, studio), gen_inputs, gen_outputs, **model_lane)
         sub_evt = prompt.submit(wired(h.generate, gen_names, studio), gen_inputs, gen_outputs, **model_lane)
         race_evt = race_btn.click(wired(h.race, gen_names, studio), gen_inputs, gen_outputs, **model_lane)
-        for d, btn in ex_buttons.items():
-            btn.click(wired(h.pick_example, ("session", "prompt", "oracle_domain"), studio, domain=d), [session],
-                      [session, prompt, oracle_domain], queue=False, show_progress="hidden")
+        try_evts = [btn.click(wired(h.pick_example, ("session", "prompt", "oracle_domain"), studio, domain=d),
+                              [session], [session, prompt, oracle_domain], queue=False, show_progress="hidden")
+                    .then(wired(h.race, gen_names, studio), gen_inputs, gen_outputs, **model_lane)
+                    for d, btn in ex_buttons.items()]
+        map_view.change(wired(h.map_zoom, ("session", "domain_plot"), studio), [session, map_view],
+                        [session, domain_plot], queue=False, show_progress="hidden")
         strategy.change(wired(h.strategy_changed, ["oracle_domain"]), strategy, oracle_domain, queue=False,
                         show_progress="hidden")
+        replay_evt = replay_btn.click(wired(th.replay, h.GEN_OUTPUTS + ("walk",), studio),
+                                      [session, trace_in, replay_speed], gen_outputs + [walk_view], **model_lane)
         walk_out, walk_names = [session, walk_view], ("session", "walk")
         w_start.click(wired(wh.walk_start, walk_names, studio), [session, prompt, strategy, oracle_domain, gamma, k],
                       walk_out, **model_lane)
@@ -200,7 +224,7 @@ def build(studio: Studio) -> gr.Blocks:
         w_next.click(wired(wh.walk_next, walk_names, studio), [session], walk_out, **model_lane)
         auto_evt = w_auto.click(wired(wh.walk_auto, walk_names, studio), [session], walk_out, **model_lane)
         stop_btn.click(wired(h.stop, ("session", "tokens", "stats"), studio), [session], [session, tokens, stats],
-                       cancels=[gen_evt, sub_evt, race_evt], queue=False)
+                       cancels=[gen_evt, sub_evt, race_evt, replay_evt, *try_evts], queue=False)
         w_stop.click(wired(wh.stop_walk, ["session"]), [session], [session], cancels=[auto_evt], queue=False)
         for ctl in (wi_gamma, wi_verify):
             ctl.release(wired(h.what_if, ["what_if"], studio), [session, wi_gamma, wi_verify], what_if_plot,
@@ -226,12 +250,14 @@ def main(argv=None):
     ap.add_argument("--calibration", default=None,
                     help="calibration folder (default: assets/calibration/<model slug>)")
     ap.add_argument("--threads", type=int, default=2)
+    add_device_argument(ap)
     args = ap.parse_args(argv)
     if os.environ.get("SPACE_ID") and args.model not in ALLOWED_MODELS:
         raise SystemExit(f"--model {args.model!r} is not on this Space's allow-list: {ALLOWED_MODELS[2:]}")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
-    studio = load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True)
+    studio = load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True,
+                         device=args.device)
     demo = build(studio)
     t = studio.timings
     where = f"loaded from {studio.cal_folder}" if studio.calibration else studio.cal_error

@@ -87,6 +87,22 @@ def test_the_three_token_kinds_meet_wcag_aa_and_differ_beyond_hue():
     assert "Legend" not in vtok.legend_html() and "struck through" in vtok.legend_html()
 
 
+def test_the_dark_theme_keeps_tokens_and_text_legible():
+    for k in theme.DARK_KINDS.values():
+        assert theme.contrast_ratio(k.ink, k.tint) >= 4.5, k.name
+        assert theme.contrast_ratio(k.ink, theme.DARK_BLOCK) >= 4.5, k.name
+    for name in ("ink", "muted"):
+        for page in (theme.DARK_BODY, theme.DARK_BLOCK):
+            assert theme.contrast_ratio(theme.DARK[name], page) >= 4.5, name
+    css = theme.css_variables()
+    light, dark = css.split(".dark {", 1)
+    assert f"--accepted-ink: {theme.ACCEPTED.ink};" in light              # light mode unchanged
+    assert f"--accepted-ink: {theme.DARK_KINDS['accepted'].ink};" in dark.split("}", 1)[0]
+    assert f"--ink: {theme.DARK['ink']};" in dark.split("}", 1)[0]
+    layout = theme.base_layout("t")
+    assert layout["paper_bgcolor"] == layout["plot_bgcolor"] == "rgba(0,0,0,0)"   # figures take the page's colour
+
+
 def test_layer_map_shows_the_set_in_use_above_every_domain_set(tiny_calibration):
     cal = tiny_calibration
     n = cal.latency.n_layers
@@ -160,7 +176,7 @@ def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(stud
     route = session.run.route
     assert session.run.route_used and route["neighbours"] and "routed to" in column(outs, "route")[0]
     why = column(outs, "route")[0].split("why this domain", 1)[1]      # the K neighbours, explained
-    assert why.count("<li>") == len(route["neighbours"])
+    assert why.count("<li ") == len(route["neighbours"])
     first = route["neighbours"][0]
     assert f'{first["similarity"]:.2f}' in why and first["domain"] in why
     ar = core_generate(tiny, PROMPT, Autoregressive(), max_new_tokens=32)
@@ -225,6 +241,58 @@ def test_examples_cycle_through_held_out_prompts(studio):
     assert (first != second) == (len(studio.examples["math"]) > 1)
     assert handlers.strategy_changed("oracle")["oracle_domain"].visible is True
     assert app.outputs(handlers.strategy_changed("oracle"), ["oracle_domain"])["visible"] is True
+
+
+def test_try_these_fills_a_held_out_prompt_and_races_it(studio):
+    picked = handlers.pick_example(studio, None, domain="translation")
+    assert picked["prompt"] in studio.examples["translation"]
+    outs = run(handlers.race, studio, "KNN-SSD", prompt=picked["prompt"], session=picked["session"])
+    session = outs[-1]["session"]
+    assert session is picked["session"] and session.run.prompt == picked["prompt"].strip()
+    assert session.race.identical is True and "✓ identical" in column(outs, "race")[-1]
+    # the layout chains each "Try these" button: fill the prompt, then the race with Race's inputs and outputs
+    demo = app.build(studio)
+    deps = demo.config["dependencies"]
+    comps = {c["id"]: c for c in demo.config["components"]}
+    race_btn = next(i for i, c in comps.items() if c.get("props", {}).get("elem_id") == "race-btn")
+    race_dep = next(d for d in deps if d["targets"] == [(race_btn, "click")])
+    tries = [d for d in deps if any(t[0] in comps and "ex" in (comps[t[0]]["props"].get("elem_classes") or [])
+                                    for t in d["targets"])]
+    assert len(tries) == len(studio.examples)
+    for fill in tries:
+        chained = [d for d in deps if d.get("trigger_after") == fill["id"]]
+        assert len(chained) == 1 and "prompt" in {comps[i]["props"].get("elem_id") for i in fill["outputs"]}
+        assert chained[0]["inputs"] == race_dep["inputs"] and chained[0]["outputs"] == race_dep["outputs"]
+        assert demo.fns[chained[0]["id"]].concurrency_id == demo.fns[race_dep["id"]].concurrency_id == "model"
+
+
+def test_map_toggle_redraws_the_last_run_whole_or_zoomed_without_the_model(studio, monkeypatch):
+    outs = run(handlers.generate, studio, "KNN-SSD")
+    session = outs[-1]["session"]
+    zoomed = column(outs, "domain_plot")[-1]
+    coords = studio.domain_map.coords
+    monkeypatch.setattr(handlers, "decode", lambda *a, **k: pytest.fail("the toggle ran the model"))
+    out = handlers.map_zoom(studio, session, "whole map")
+    whole = out["domain_plot"]
+    assert out["session"] is session and session.map_whole
+
+    def width(fig):
+        return fig.layout.xaxis.range[1] - fig.layout.xaxis.range[0]
+    x0, x1 = whole.layout.xaxis.range
+    assert all(x0 <= x <= x1 for x in coords[:, 0]) and width(zoomed) < width(whole)
+    again = handlers.map_zoom(studio, session, "neighbourhood")["domain_plot"]
+    assert tuple(again.layout.xaxis.range) == tuple(zoomed.layout.xaxis.range) and not session.map_whole
+    for n in session.run.route["neighbours"]:
+        x, y = coords[n["index"]]
+        assert again.layout.xaxis.range[0] <= x <= again.layout.xaxis.range[1]
+        assert again.layout.yaxis.range[0] <= y <= again.layout.yaxis.range[1]
+    labels = {a.text for a in whole.layout.annotations}
+    assert labels == {f"<b>{d}</b>" for d in set(studio.calibration.router.domains)}
+    assert handlers.map_zoom(studio, None, "whole map")["domain_plot"] is not None     # before any run
+    monkeypatch.undo()
+    handlers.map_zoom(studio, session, "whole map")
+    after = column(run(handlers.generate, studio, "KNN-SSD", session=session), "domain_plot")[-1]
+    assert tuple(after.layout.xaxis.range) == tuple(whole.layout.xaxis.range)   # the choice holds for the next run
 
 
 def test_step_through_walks_draft_verify_accept_next(studio):

@@ -258,3 +258,76 @@ def test_race_and_step_through_in_the_browser(server, browser):
     page.click("#walk-accept")
     page.wait_for_function("document.querySelector('#walk').innerText.includes('verdict')")
     page.screenshot(path=str(_shots() / "step_through.png"), full_page=True)
+
+
+TOKENS_JS = """els => els.map(e => ({cls: e.className, text: e.innerText, tip: e.dataset.tip,
+    color: getComputedStyle(e).color, background: getComputedStyle(e).backgroundColor}))"""
+
+
+def test_a_downloaded_trace_replays_with_the_same_coloured_tokens(server, browser, tmp_path):
+    """Generate, download the run's trace, load it back and replay it: the same coloured tokens, and the
+    file round-trips exactly (the downloaded replay equals the downloaded run)."""
+    from ssd_core.engine.trace import Trace
+    page = _open(browser, server["url"])
+    _first_token_after_click(page, PROMPT)
+    live = page.eval_on_selector_all("#tokens .tok", TOKENS_JS)
+    assert live and any("rej" in t["cls"] for t in live) and any("acc" in t["cls"] for t in live)
+    page.wait_for_selector("#trace-download:not([disabled])", timeout=30_000)   # the run's file is ready
+    with page.expect_download(timeout=30_000) as dl:
+        page.click("#trace-download")
+    path = tmp_path / "run.json"
+    dl.value.save_as(path)
+    trace = Trace.load(path)
+    assert trace.model and trace.prompt == PROMPT and trace.strategy == "knn"
+
+    page.reload()                                                   # a new page: the run is gone
+    page.wait_for_selector("#generate-btn", timeout=60_000)
+    assert page.locator("#tokens .tok").count() == 0
+    page.click("#replay-box")
+    page.set_input_files("#trace-upload input[type=file]", str(path))
+    page.wait_for_timeout(1_000)
+    page.click("#replay-btn")
+    page.wait_for_function("document.querySelector('#tokens').innerText.includes('done')", timeout=120_000)
+    assert "Replay of a KNN-SSD run" in page.inner_text("#stats")
+    assert page.eval_on_selector_all("#tokens .tok", TOKENS_JS) == live
+    page.screenshot(path=str(_shots() / "replay.png"))
+    page.wait_for_selector("#trace-download:not([disabled])", timeout=30_000)
+    with page.expect_download(timeout=30_000) as dl2:
+        page.click("#trace-download")
+    again = tmp_path / "again.json"
+    dl2.value.save_as(again)
+    assert again.read_text(encoding="utf-8") == path.read_text(encoding="utf-8")
+    # and the Step-through walks the replayed run
+    page.get_by_role("tab", name="Step through").click()
+    page.wait_for_selector("#walk .walk-table", timeout=10_000)
+
+
+def test_dark_theme_zoomed_map_and_its_k_nearest(server, browser):
+    """?__theme=dark: Gradio's dark class is on, tokens use the dark palette (AA on their tints); the map
+    zooms to the prompt, lists its K nearest under it, and the toggle shows the whole map."""
+    from viz import theme
+    page = browser.new_context(viewport={"width": 1280, "height": 720}).new_page()
+    page.goto(server["url"] + "/?__theme=dark")
+    page.wait_for_selector("#generate-btn", timeout=60_000)
+    assert "dark" in page.evaluate("document.body.className")
+    _first_token_after_click(page, PROMPT)
+    _wait_for_prompt_on_map(page, PROMPT)
+
+    def rgb(hex_color):
+        return "rgb({}, {}, {})".format(*(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)))
+    for cls, kind in (("acc", "accepted"), ("rej", "rejected"), ("ver", "verifier")):
+        want = theme.DARK_KINDS[kind]
+        styles = page.eval_on_selector_all(f"#tokens .tok.{cls}", COMPUTED_STYLE_JS)
+        assert styles, cls
+        for got in styles:
+            assert got["color"] == rgb(want.ink) and got["background"] == rgb(want.tint), (cls, got)
+    assert page.evaluate("getComputedStyle(document.querySelector('.metric')).backgroundColor") == "rgba(0, 0, 0, 0)"
+    k = page.locator("#route .route-why li").count()
+    assert k == 5 and page.locator("#route .route-why li").first.is_visible()
+    x_range = "Array.from(document.querySelector('#domain-map .js-plotly-plot')._fullLayout.xaxis.range)"
+    zoomed = page.evaluate(x_range)
+    page.get_by_text("whole map").click()
+    page.wait_for_function(f"{x_range}[1] - {x_range}[0] > {zoomed[1] - zoomed[0]}", timeout=15_000)
+    labels = page.eval_on_selector_all("#domain-map .annotation-text", "els => els.map(e => e.textContent)")
+    assert {"math", "translation", "sql"} <= set(labels), labels
+    page.screenshot(path=str(_shots() / "dark_theme.png"))

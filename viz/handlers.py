@@ -23,7 +23,7 @@ from viz.studio import (DEFAULT_DRAFT, LABELS, QUICK_CALIBRATION, STRATEGIES, St
 
 # what the Generate and Race handlers update, by name
 GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost",
-               "what_if")
+               "what_if", "trace_file")
 # what a page load may update: a calibration installed after the layout was built
 PAGE_OUTPUTS = ("session", "cal_row", "banner", "strategy", "k", "domain_plot", "layer_plot", "cost",
                 "what_if", "domains_md", "sets_plot", "match_plot")
@@ -44,7 +44,7 @@ def _in_use(studio: Studio, run: Run, start: Start):
     """The route to show and the first skip set, from the Start event."""
     cal = studio.calibration
     route, used = (start.route.to_dict() if start.route else None), start.route is not None
-    if route is None and cal is not None:   # show where KNN *would* send it, marked as not used
+    if route is None and cal is not None and not run.foreign:   # where KNN *would* send it, marked not used
         route = cal.router.route(start.embedding).to_dict()
     skip = start.skip if run.strategy != "ar" else None
     return route, used, skip
@@ -103,13 +103,18 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
     if studio.calibration is None and strategy != "ar":
         cal_note = "No calibration for this model yet, so this runs autoregressively. "
         strategy = "ar"
-    run = Run(prompt, strategy, cfg)
+    bb = studio.backbone
+    run = Run(prompt, strategy, cfg, token_str=bb.token_str, eos=frozenset(bb.eos_ids))
     session.run, session.stop = run, False
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
-    bb = studio.backbone
-    eos = bb.eos_ids
+    yield from show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
+                                                             should_stop=lambda: session.stop)), cal_note)
+
+
+def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):
+    """The Generate view of a run's (event, seconds) stream, live or replayed: tokens, stats, route, map,
+    layer map — each figure sent only when it changes."""
     parts: list[str] = []
-    events = timed(decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop))
     for ev, dt in events:
         run.compute_s += dt
         if isinstance(ev, Start):
@@ -117,23 +122,24 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
             run.route, run.route_used, skip = _in_use(studio, run, ev)
             if skip is not None:
                 run.history.append((0, skip))
-            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, bb.token_str, eos)))
-            note = cal_note + ("The prompt was shortened to fit. " if ev.truncated else "")
-            yield dict(tokens=tokens_view(studio, parts, "generating…"),
-                       stats=stats_view(run, None, note), route=route_view(run))
-            yield dict(domain_plot=map_fig(studio, run), layer_plot=layer_fig(studio, run))
+            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, run.token_str, run.eos)))
+            shortened = note + ("The prompt was shortened to fit. " if ev.truncated else "")
+            yield dict(tokens=tokens_view(studio, parts, f"{verb}…"),
+                       stats=stats_view(run, None, shortened), route=route_view(run))
+            yield dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
             continue
         run.steps.append(ev)
         update = {}
         if ev.skip is not None and (run.skip is None or ev.skip != run.skip):
             run.history.append((ev.index + 1, ev.skip))
             update["layer_plot"] = layer_fig(studio, run)
-        parts.append(vtok.tokens_html(vtok.step_tokens(ev, bb.token_str, eos)))
-        update.update(tokens=tokens_view(studio, parts, "generating…"),
-                      stats=stats_view(run, None, cal_note))
+        parts.append(vtok.tokens_html(vtok.step_tokens(ev, run.token_str, run.eos)))
+        update.update(tokens=tokens_view(studio, parts, f"{verb}…"), stats=stats_view(run, None, note))
         yield update
     stopped = session.stop
     st = run.stats
+    if st is None:
+        return
     done = (f"stopped after {st.new_tokens} tokens" if stopped else
             f"done · {st.new_tokens} tokens in {len(run.steps)} steps · {st.wall_s:.2f} s model time")
     done += " · hover a token for its step, draft probability and the verifier's choice"
@@ -179,7 +185,7 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
     if not racing:
         cost, what_if_fig = cost_view(studio, session.run, None)
         yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
-                   stats=stats_view(session.run, session.race))
+                   stats=stats_view(session.run, session.race), trace_file=_keep(studio, session))
         return
     yield from _ar_lap(studio, session, prompt, cfg)
 
@@ -200,7 +206,8 @@ def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
             yield dict(session=session, race=vstats.race_html(
                 None, running=f"2/2 · autoregressive: {len(ar_ids)} of ≤ {cfg.max_new_tokens} tokens"))
     if session.stop:
-        yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
+        yield dict(session=session, race=vstats.race_html(None, running="race stopped"),
+                   trace_file=_keep(studio, session))
         return
     ids = run.token_ids
     same = tuple(ar_ids) == ids
@@ -210,7 +217,13 @@ def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
         identical=same if cfg.greedy else None, first_difference=None if same else first_difference(ar_ids, ids))
     cost, what_if_fig = cost_view(studio, run, session.race)
     yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
-               cost=cost, what_if=what_if_fig)
+               cost=cost, what_if=what_if_fig, trace_file=_keep(studio, session))
+
+
+def _keep(studio: Studio, session: Session):
+    """The finished run as a trace file for the download button (viz.trace_handlers)."""
+    from viz.trace_handlers import download     # it builds on this module
+    return download(studio, session)
 
 
 def stop(studio: Studio, session) -> dict:
@@ -220,9 +233,8 @@ def stop(studio: Studio, session) -> dict:
     run = session.run
     if run is None or run.start is None:
         return dict(session=session)
-    bb = studio.backbone
-    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, bb.token_str, bb.eos_ids))]
-    parts += [vtok.tokens_html(vtok.step_tokens(s, bb.token_str, bb.eos_ids)) for s in list(run.steps)]
+    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, run.token_str, run.eos))]
+    parts += [vtok.tokens_html(vtok.step_tokens(s, run.token_str, run.eos)) for s in list(run.steps)]
     status = f"stopped after {run.stats.new_tokens} tokens"
     return dict(session=session, tokens=tokens_view(studio, parts, status), stats=stats_view(run, None))
 
@@ -239,6 +251,17 @@ def pick_example(studio: Studio, session, domain: str) -> dict:
 
 def strategy_changed(strategy_label) -> dict:
     return dict(oracle_domain=Update(visible=STRATEGIES.get(strategy_label) == "oracle"))
+
+
+MAP_VIEWS = ("neighbourhood", "whole map")
+
+
+def map_zoom(studio: Studio, session, view) -> dict:
+    """The domain map's toggle: the last run's map, zoomed to its neighbourhood or whole (no model run);
+    the choice also holds for this session's next runs."""
+    session = get_session(session)
+    session.map_whole = view == MAP_VIEWS[1]
+    return dict(session=session, domain_plot=map_fig(studio, session.run, session.map_whole))
 
 
 def what_if(studio: Studio, session, gamma, verify) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ssd_core.engine.decode import DecodeConfig, Start
+from ssd_core.engine.device import device_label
 from ssd_core.engine.generate import summarize
 from ssd_core.engine.skipset import SkipSet
 from viz import cost as vcost
@@ -14,7 +15,7 @@ from viz import domain_map as vmap
 from viz import layers as vlayers
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.studio import LABELS, PLOT_H, Studio
+from viz.studio import LABELS, MAP_H, PLOT_H, Studio
 
 
 # --- per-session state ---------------------------------------------------------------------------
@@ -31,6 +32,10 @@ class Run:
     route: dict | None = None
     route_used: bool = False
     history: list = field(default_factory=list)      # [(step, SkipSet)] each time the set changed
+    token_str: object = None                          # id → text (the model's, or a replayed trace's)
+    eos: frozenset = frozenset()
+    replay: object = None                             # the Trace being replayed, if this run is one
+    foreign: bool = False                             # replayed from another model: no map, no layer map
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -57,6 +62,9 @@ class Walk:
     step: object | None = None
     phase: str = "draft"
     done: bool = False
+    token_str: object = None           # id → text; None: the loaded model's
+    detok: object = None               # ids → text; None: the loaded model's
+    pause: float = 0.9                 # auto-play: seconds between phases
 
 
 @dataclass
@@ -66,6 +74,7 @@ class Session:
     walk: Walk | None = None
     stop: bool = False
     example_turn: dict = field(default_factory=dict)
+    map_whole: bool = False          # the domain map's toggle: whole map instead of the prompt's neighbourhood
 
 
 def get_session(s) -> Session:
@@ -101,7 +110,7 @@ def layer_fig(studio: Studio, run: Run | None):
     sets = cal.domain_sets if cal else {}
     static = cal.static if cal else None
     n = studio.backbone.n_layers
-    if run is None or run.skip is None:
+    if run is None or run.skip is None or run.foreign:
         return vlayers.layer_map(n, sets, static, height=PLOT_H)
     route = run.route or {}
     domain = {"knn": (route.get("domain") or "static") if run.route_used else None,
@@ -112,14 +121,16 @@ def layer_fig(studio: Studio, run: Run | None):
                              history=run.history, height=PLOT_H, draft=run.start.draft if run.start else "")
 
 
-def map_fig(studio: Studio, run: Run | None):
+def map_fig(studio: Studio, run: Run | None, whole: bool = False):
+    """The domain map; after a run zoomed to the prompt's neighbourhood unless `whole`."""
     if studio.domain_map is None:
-        return vmap.domain_map([], height=PLOT_H, title="Domain map · " + (
+        return vmap.domain_map([], height=MAP_H, title="Domain map · " + (
             "needs a calibration" if studio.calibration is None else (studio.map_error or "unavailable")))
-    if run is None or run.start is None:
-        return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=PLOT_H)
+    if run is None or run.start is None or run.foreign:
+        return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=MAP_H)
     xy = studio.domain_map.transform(run.start.embedding)
-    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=PLOT_H)
+    return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=MAP_H,
+                           whole=whole)
 
 
 def route_view(run: Run | None) -> str:
@@ -158,10 +169,13 @@ def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
     label = LABELS.get(run.strategy, "static set") if run is not None else "static set (no run yet)"
     html = vcost.cost_html(b, strategy=label, skip_name=skip.name or "chosen", alpha=alpha,
                            tau=stats.tau if stats is not None and stats.drafted else None,
-                           measured_speedup=measured_speedup, measured=measured, alpha_source=source)
+                           measured_speedup=measured_speedup, measured=measured, alpha_source=source,
+                           profiled_on=lat.device_words, runs_on=device_label(studio.backbone.device))
     c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
     star, label = acceptance_star(stats, gamma, alpha)
-    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], star, c_big=c_big, label=label)
+    here = "this CPU" if lat.device.startswith("cpu") else "this GPU" if lat.device.startswith("cuda") else lat.device
+    return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], star, c_big=c_big, label=label,
+                                      here=here)
 
 
 def acceptance_star(stats, gamma: int, alpha: float) -> tuple[float, str]:
@@ -183,12 +197,18 @@ def header_html(studio: Studio) -> str:
     d = studio.backbone.describe()
     return ('<div class="app-header"><div class="app-title"><b>KNN-SSD Studio</b> · self-speculative decoding, '
             f'visualised</div><div class="app-model">model: <b>{vtok.escape(d["model"])}</b> · {d["n_layers"]} '
-            f'layers · {d["params_m"]}M parameters · CPU</div><div class="app-explainer">The model drafts a few '
-            "tokens with an int8 copy of itself (some layers skipped) or copies them from earlier text, then "
-            "checks them in one pass of the full model — the text stays exactly what plain decoding would "
-            "write.</div></div>")
+            f'layers · {d["params_m"]}M parameters · {vtok.escape(_device_words(d["device"]))}</div>'
+            '<div class="app-explainer">The model drafts tokens with a cheaper copy of itself (int8, layers '
+            "skipped) or copies earlier text, then checks them in one full pass: the text stays exactly what "
+            "plain decoding writes.</div></div>")
 
 
+
+
+def _device_words(label: str) -> str:
+    """engine.device.device_label for the header: "CPU (2 threads)", "CUDA: NVIDIA H100 …"."""
+    kind, sep, rest = label.partition(" ")
+    return kind.upper() + sep + rest
 
 
 def banner(text: str, ok: bool = False) -> str:

@@ -45,21 +45,25 @@ ALLOWED_MODELS = (None, "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "Huggi
 DRAFTS = {"int8 + prompt lookup": ("int8", True), "int8": ("int8", False),
           "fp32 + prompt lookup": ("fp32", True), "fp32 (layer skipping only)": ("fp32", False)}
 DEFAULT_DRAFT = "int8 + prompt lookup"
-PLOT_H = 270                  # the two Generate-tab figures; with the rest it fits 1280×720
+PLOT_H = 310                  # the layer map, as tall as the domain map and its K-nearest list
+MAP_H = 190                   # the domain map: the K-nearest list sits under it, beside the layer map
 QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
 _KEEP = object()
 
 
 @dataclass(frozen=True)
 class Update:
-    """A change to one output beyond its value (its visibility); the app turns it into gr.update."""
+    """A change to one output beyond its value (visibility, whether it can be used); the app turns it
+    into gr.update."""
 
     value: object = _KEEP
     visible: bool | None = None
+    interactive: bool | None = None
 
     def changes(self) -> dict:
         out = {} if self.value is _KEEP else {"value": self.value}
-        return out if self.visible is None else {**out, "visible": self.visible}
+        return {**out, **{k: v for k, v in (("visible", self.visible), ("interactive", self.interactive))
+                          if v is not None}}
 
 
 # --- shared, read-mostly resources (one per process) --------------------------------------------
@@ -101,8 +105,10 @@ def load_map(cal) -> tuple[object | None, str]:
 
 
 def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
-                warm: bool = True, backbone=None, map_in_background: bool = False) -> Studio:
+                warm: bool = True, backbone=None, map_in_background: bool = False, device="auto") -> Studio:
     """Load model and calibration; the UMAP domain map is not needed for the first token.
+
+    device: where a model loaded here runs (auto|cpu|cuda, or a torch.device); a given backbone stays put.
 
     map_in_background: return before the map is ready (umap's first import compiles with numba for
     ~15 s on two cores); a thread installs it when done and the map panel says "loading" until then.
@@ -111,7 +117,7 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     folder = Path(calibration) if calibration else cal_io.default_folder(spec)
     from ssd_core.engine import loading as core_bb
     cold = backbone is None and not core_bb.model_cache_ready(spec)
-    bb = backbone or load_backbone(spec, threads=threads)
+    bb = backbone or load_backbone(spec, threads=threads, device=device)
     t_model = time.perf_counter() - t0
     prompts = load_prompts()
     examples = {d: split(p)[1] or p for d, p in prompts.items()}

@@ -58,12 +58,16 @@ def step_tokens(step, token_str: TokenStr, eos_ids=frozenset()) -> list[Token]:
     committed = step.committed
     shown_accepted = min(step.accepted, len(committed))
     lookup = getattr(step, "source", "") == "lookup"
+    vp = getattr(step, "verify_probs", ()) or ()
+
+    def verifier_p(i: int) -> str:
+        return f" (p = {vp[i]:.2f})" if i < len(vp) else ""
     who = "lookup draft (copied from earlier text)" if lookup else "draft"
     for i in range(shown_accepted):
         t = step.drafted[i]
         p = "" if lookup else f" · draft p = {step.draft_probs[i]:.2f}"
         out.append(Token(token_str(t), "accepted", n,
-                         f"step {n} · accepted {who} {i + 1}/{len(step.drafted)}{p} · verifier agreed",
+                         f"step {n} · accepted {who} {i + 1}/{len(step.drafted)}{p} · verifier agreed{verifier_p(i)}",
                          t in eos_ids, lookup))
     bonus = committed[step.accepted] if len(committed) > step.accepted else None
     for j, t in enumerate(step.rejected):
@@ -87,7 +91,7 @@ def step_tokens(step, token_str: TokenStr, eos_ids=frozenset()) -> list[Token]:
             tip = f"step {n} · verifier token · bonus after {step.accepted} accepted drafts"
         else:
             tip = f"step {n} · verifier token · the draft stopped early (below the threshold)"
-        out.append(Token(token_str(bonus), "verifier", n, tip, bonus in eos_ids))
+        out.append(Token(token_str(bonus), "verifier", n, tip + verifier_p(step.accepted), bonus in eos_ids))
     return out
 
 

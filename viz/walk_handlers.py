@@ -18,11 +18,13 @@ def walk_view(studio: Studio, walk: Walk | None) -> str:
         return vwalk.walk_html("", None, "draft", studio.backbone.token_str)
     if walk.done and walk.step is None:
         return '<div class="walk idle">The answer is complete. Press <b>Start</b> for another prompt.</div>'
-    context = walk.prompt + "\n\n" + studio.backbone.decode(walk.ids)
-    return vwalk.walk_html(context, walk.step, walk.phase, studio.backbone.token_str, walk.skip_desc)
+    detok = walk.detok or studio.backbone.decode
+    context = walk.prompt + "\n\n" + detok(walk.ids)
+    return vwalk.walk_html(context, walk.step, walk.phase, walk.token_str or studio.backbone.token_str,
+                           walk.skip_desc)
 
 
-def _advance(studio: Studio, walk: Walk) -> None:
+def _advance(walk: Walk) -> None:
     """Commit the current step to the context and fetch the next one."""
     if walk.step is not None:
         walk.ids.extend(walk.step.committed)
@@ -50,16 +52,20 @@ def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k
     cfg, k = got
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
-    start = next(events)
+    session.walk = start_walk(clean_prompt(prompt).strip(), next(events), events)
+    return dict(session=session, walk=walk_view(studio, session.walk))
+
+
+def start_walk(prompt: str, start, events, token_str=None, detok=None) -> Walk:
+    """A walk from a run's Start and its remaining Steps (a live decode or a replayed trace)."""
     route = start.route.to_dict() if start.route else None
     skip = start.skip.to_dict() if start.skip else None
     desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
             "sublayers" if route and skip else
             f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
-    walk = Walk(events, clean_prompt(prompt).strip(), desc, ids=[start.first_token])
-    _advance(studio, walk)
-    session.walk = walk
-    return dict(session=session, walk=walk_view(studio, walk))
+    walk = Walk(events, prompt, desc, ids=[start.first_token], token_str=token_str, detok=detok)
+    _advance(walk)
+    return walk
 
 
 def walk_phase(studio: Studio, session, phase: str):
@@ -72,12 +78,13 @@ def walk_phase(studio: Studio, session, phase: str):
 def walk_next(studio: Studio, session):
     session = get_session(session)
     if session.walk is not None and not session.walk.done:
-        _advance(studio, session.walk)
+        _advance(session.walk)
     return dict(session=session, walk=walk_view(studio, session.walk))
 
 
-def walk_auto(studio: Studio, session, steps: int = 8, pause: float = 0.9):
-    """Auto-play: draft → verify → accept → next, a pause between phases."""
+def walk_auto(studio: Studio, session, steps: int = 8, pause: float | None = None):
+    """Auto-play: draft → verify → accept → next, a pause between phases (the walk's own by default:
+    a replayed trace plays at the replay's speed)."""
     session = get_session(session)
     walk = session.walk
     if walk is None:
@@ -89,8 +96,8 @@ def walk_auto(studio: Studio, session, steps: int = 8, pause: float = 0.9):
                 return
             walk.phase = phase
             yield dict(session=session, walk=walk_view(studio, walk))
-            time.sleep(pause)
-        _advance(studio, walk)
+            time.sleep(walk.pause if pause is None else pause)
+        _advance(walk)
         if walk.done:
             yield dict(session=session, walk=walk_view(studio, walk))
             return

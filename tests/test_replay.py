@@ -1,0 +1,107 @@
+"""Traces in the app: every run downloads as a trace; a replay shows what the live run showed, without the
+model; a wrong file gets a message in the token panel."""
+import json
+import re
+
+import pytest
+
+from ssd_core.engine.trace import Trace
+from viz import handlers
+from viz import studio as vstudio
+from viz import trace_handlers as th
+from viz import walk_handlers
+
+PROMPT = "Translate German to English: Guten Morgen, wie geht es dir?"
+SETTINGS = (PROMPT, "KNN-SSD", "translation", 32, 3, 0.0, 0.0, 1.0, 5)
+
+
+@pytest.fixture(scope="module")
+def studio(tiny, tiny_calibration):
+    return vstudio.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+
+
+def last(outputs, name):
+    value = [o[name] for o in outputs if name in o][-1]
+    return value.value if isinstance(value, vstudio.Update) else value
+
+
+def spans(html: str) -> list[str]:
+    """The coloured tokens: every token span with its classes, text and tooltip."""
+    return re.findall(r'<span class="tok [^"]*"[^>]*>.*?</span>', html)
+
+
+@pytest.mark.parametrize("handler,label", [(handlers.generate, "KNN-SSD"), (handlers.race, "KnapSpec"),
+                                           (handlers.generate, "autoregressive")])
+def test_a_replay_shows_the_same_tokens_stats_and_route_as_the_live_run(studio, tiny, monkeypatch, handler,
+                                                                        label):
+    live = list(handler(studio, None, PROMPT, label, *SETTINGS[2:]))
+    path = last(live, "trace_file")
+    assert path and path.endswith(".json")
+    trace = Trace.load(path)
+    run = live[-1]["session"].run
+    assert trace.token_ids == run.token_ids and trace.steps == tuple(run.steps)
+
+    monkeypatch.setattr(th.time, "sleep", lambda s: None)          # pacing is tested below
+    replayed = list(th.replay(studio, None, path, "4×"))
+    assert spans(last(replayed, "tokens")) == spans(last(live, "tokens"))
+    assert len(spans(last(live, "tokens"))) == len(run.token_ids) + sum(len(s.rejected) for s in run.steps)
+    assert last(replayed, "route") == last(live, "route")
+    again = replayed[-1]["session"].run
+    assert again.stats == run.stats                                   # same τ, α, tokens/s (recorded times)
+    if handler is handlers.race:
+        assert "identical" in last(replayed, "race") and replayed[-1]["session"].race == live[-1]["session"].race
+    # the replay can be downloaded again, unchanged
+    assert Trace.load(last(replayed, "trace_file")).to_json() == trace.to_json()
+
+
+def test_the_replay_becomes_the_step_through_walk(studio, monkeypatch):
+    monkeypatch.setattr(th.time, "sleep", lambda s: None)
+    path = last(list(handlers.generate(studio, None, *SETTINGS)), "trace_file")
+    trace = Trace.load(path)
+    out = list(th.replay(studio, None, path, "instant"))
+    session = out[-1]["session"]
+    assert "walk" in out[-1] and session.walk is not None and session.walk.step == trace.steps[0]
+    seen = [session.walk.step]
+    while not session.walk.done:
+        walk_handlers.walk_next(studio, session)
+        if session.walk.step is not None:
+            seen.append(session.walk.step)
+    assert tuple(seen) == trace.steps
+
+
+def test_replay_paces_by_the_recorded_step_times(studio, monkeypatch):
+    path = last(list(handlers.generate(studio, None, *SETTINGS)), "trace_file")
+    trace = Trace.load(path)
+    slept = []
+    monkeypatch.setattr(th.time, "sleep", slept.append)
+    list(th.replay(studio, None, path, "2×"))
+    steps = [min(th.MAX_PAUSE_S, (s.draft_s + s.verify_s + s.overhead_s) / 2) for s in trace.steps]
+    assert slept[1:] == pytest.approx(steps)
+    slept.clear()
+    list(th.replay(studio, None, path, "instant"))
+    assert slept == []
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{ nope", "not valid JSON"),
+    ('{"question_id": 1, "turns": ["hi"]}', "not a KNN-SSD Studio trace"),
+    ('{"format": "knn-ssd-studio/trace", "version": 99}', "newer KNN-SSD Studio"),
+])
+def test_a_wrong_file_is_a_message_not_a_traceback(studio, tmp_path, content, message):
+    f = tmp_path / "x.json"
+    f.write_text(content)
+    out = list(th.replay(studio, None, str(f), "instant"))
+    assert len(out) == 1 and message in out[0]["tokens"] and "⚠" in out[0]["tokens"]
+    assert "⚠" in list(th.replay(studio, None, None))[0]["tokens"]
+
+
+def test_a_trace_of_another_model_replays_without_map_or_layer_map(studio, monkeypatch, tmp_path):
+    monkeypatch.setattr(th.time, "sleep", lambda s: None)
+    path = last(list(handlers.generate(studio, None, *SETTINGS)), "trace_file")
+    d = json.loads(open(path).read())
+    d["model"] = "some-other-model"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(d))
+    out = list(th.replay(studio, None, str(other), "instant"))
+    assert "some-other-model" in last(out, "stats") and out[-1]["session"].run.foreign
+    assert spans(last(out, "tokens"))

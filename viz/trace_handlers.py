@@ -1,0 +1,118 @@
+"""Traces in the app, without Gradio: every run can be downloaded as a trace, and a trace replays in the
+Generate view and the Step-through without running the model, at a chosen speed.
+
+A replay feeds the recorded events through the same view code as a live run (viz.handlers.show_events),
+so it shows the same coloured tokens, route, map, layer map, stats and cost panel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from ssd_core.engine.trace import Trace, TraceError, record
+from viz import stats as vstats
+from viz import tokens as vtok
+from viz.handlers import show_events
+from viz.session import Run, Walk, cost_view, get_session, stats_view
+from viz.studio import LABELS, Studio, Update
+from viz.walk_handlers import start_walk, walk_view
+
+TRACE_DIR = Path(tempfile.gettempdir()) / "knn-ssd-traces"
+# replay speeds: label → factor on the recorded step times (None: no pauses)
+SPEEDS = {"instant": None, "0.5× (slow motion)": 0.5, "1× (as recorded)": 1.0, "2×": 2.0, "4×": 4.0}
+DEFAULT_SPEED = "1× (as recorded)"
+MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
+
+
+def save_trace(studio: Studio, session) -> str | None:
+    """The session's last run as a trace file (its path), or None when there is no run to keep."""
+    run = session.run
+    if run is None or run.start is None:
+        return None
+    trace = run.replay or record(
+        studio.backbone, run.prompt, run.strategy, run.config, run.start, run.steps, run.compute_s,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), app="KNN-SSD Studio",
+        device=str(getattr(studio.backbone, "device", "cpu")),
+        calibration=str(studio.cal_folder) if studio.calibration is not None else None,
+        stopped=bool(session.stop),
+        race=dataclasses.asdict(session.race) if session.race is not None else None)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = TRACE_DIR / uuid.uuid4().hex[:8] / f"knn-ssd-trace-{trace.strategy}-{stamp}.json"
+    return str(trace.save(path))
+
+
+def download(studio: Studio, session) -> Update:
+    """The download button after a run: its file, usable; unusable when there is nothing to keep."""
+    path = save_trace(studio, session)
+    return Update(value=path, interactive=path is not None)
+
+
+def _paced(trace: Trace, speed, should_stop):
+    """The trace's events with the recorded model time of each, sleeping it (scaled by speed)."""
+    step_s = [s.draft_s + s.verify_s + s.overhead_s for s in trace.steps]
+    start_s = max(0.0, trace.compute_s - sum(step_s))     # prefill and routing: the rest of the run
+    for ev, dt in ((trace.start, start_s), *zip(trace.steps, step_s)):
+        if should_stop():
+            return
+        if speed:
+            time.sleep(min(MAX_PAUSE_S, dt / speed))
+        yield ev, dt
+
+
+def _problem(message: str, session) -> dict:
+    return dict(session=session, tokens=vtok.stream_html("", placeholder=message, status="⚠ " + message))
+
+
+def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
+    """Load a trace and play it in the Generate view (and make it the Step-through's walk)."""
+    session = get_session(session)
+    if not file:
+        yield _problem("Choose a trace file (.json) first: download one after any run with ⤓.", session)
+        return
+    try:
+        trace = Trace.load(getattr(file, "name", file))
+    except TraceError as exc:
+        yield _problem(f"Cannot replay this file: {exc}", session)
+        return
+    except OSError as exc:
+        yield _problem(f"Cannot read the file: {exc.strerror or exc}", session)
+        return
+    foreign = trace.model != studio.backbone.name
+    run = Run(trace.prompt, trace.strategy, trace.config, token_str=trace.token_str, eos=frozenset(trace.eos),
+              replay=trace, foreign=foreign)
+    session.run, session.stop, session.race = run, False, None
+    note = (f"Replay of a {LABELS.get(trace.strategy, trace.strategy)} run recorded "
+            f"{trace.meta.get('created', '')} · no model runs. "
+            + (f"Recorded with {trace.model}, not the loaded {studio.backbone.name}: the map and layer map "
+               "are not shown. " if foreign else ""))
+    yield dict(session=session, walk=walk_view(studio, None))
+    speed = SPEEDS.get(speed_label, 1.0)
+    for update in show_events(studio, session, run, _paced(trace, speed, lambda: session.stop), note,
+                              verb="replaying"):
+        yield dict(session=session, **update)
+    race = trace.meta.get("race")
+    if isinstance(race, dict):
+        try:
+            session.race = vstats.RaceResult(**race)
+        except TypeError:
+            session.race = None
+    cost, what_if_fig = cost_view(studio, run, session.race) if not foreign else (None, None)
+    walk = walk_from_trace(trace, 1.0 if speed is None else speed)
+    session.walk = walk
+    out = dict(session=session, stats=stats_view(run, session.race, note),
+               race=vstats.race_html(session.race), walk=walk_view(studio, walk), trace_file=download(studio, session))
+    if cost is not None:
+        out.update(cost=cost, what_if=what_if_fig)
+    yield out
+
+
+def walk_from_trace(trace: Trace, speed: float = 1.0) -> Walk:
+    """A Step-through over the trace's steps: the same phases as a live walk, with the trace's token texts."""
+    walk = start_walk(trace.prompt, trace.start, iter(trace.steps), token_str=trace.token_str,
+                      detok=lambda ids: "".join(trace.token_str(i) for i in ids))
+    walk.pause = 0.9 / max(speed, 0.1)
+    return walk
