@@ -144,7 +144,7 @@ def build(studio: Studio) -> gr.Blocks:
                                                elem_id="trace-upload", height=90)
                             with gr.Row():
                                 replay_speed = gr.Dropdown(list(th.SPEEDS), value=th.DEFAULT_SPEED,
-                                                           label="replay speed", min_width=120)
+                                                           label="speed (1× = as recorded)", min_width=120)
                                 replay_btn = gr.Button("▶ Replay", elem_id="replay-btn", min_width=80)
                     with gr.Column(scale=9, elem_id="outputs"):
                         gr.HTML(vtok.legend_html(), elem_id="legend")
@@ -213,8 +213,8 @@ def build(studio: Studio) -> gr.Blocks:
                         [session, domain_plot], queue=False, show_progress="hidden")
         strategy.change(wired(h.strategy_changed, ["oracle_domain"]), strategy, oracle_domain, queue=False,
                         show_progress="hidden")
-        replay_evt = replay_btn.click(wired(th.replay, h.GEN_OUTPUTS + ("walk",), studio),
-                                      [session, trace_in, replay_speed], gen_outputs + [walk_view], **model_lane)
+        replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio), [session, trace_in, replay_speed],
+                                      gen_outputs + [walk_view, prompt], **model_lane)
         walk_out, walk_names = [session, walk_view], ("session", "walk")
         w_start.click(wired(wh.walk_start, walk_names, studio), [session, prompt, strategy, oracle_domain, gamma, k],
                       walk_out, **model_lane)

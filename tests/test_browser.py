@@ -289,6 +289,7 @@ def test_a_downloaded_trace_replays_with_the_same_coloured_tokens(server, browse
     page.click("#replay-btn")
     page.wait_for_function("document.querySelector('#tokens').innerText.includes('done')", timeout=120_000)
     assert "Replay of a KNN-SSD run" in page.inner_text("#stats")
+    assert page.input_value("#prompt textarea") == PROMPT
     assert page.eval_on_selector_all("#tokens .tok", TOKENS_JS) == live
     page.screenshot(path=str(_shots() / "replay.png"))
     page.wait_for_selector("#trace-download:not([disabled])", timeout=30_000)

@@ -45,7 +45,9 @@ def test_a_replay_shows_the_same_tokens_stats_and_route_as_the_live_run(studio, 
     replayed = list(th.replay(studio, None, path, "4×"))
     assert spans(last(replayed, "tokens")) == spans(last(live, "tokens"))
     assert len(spans(last(live, "tokens"))) == len(run.token_ids) + sum(len(s.rejected) for s in run.steps)
-    assert last(replayed, "route") == last(live, "route")
+    assert last(replayed, "route") == last(live, "route") and last(replayed, "prompt") == PROMPT
+    assert th.REPLAY_OUTPUTS[:len(handlers.GEN_OUTPUTS)] == handlers.GEN_OUTPUTS   # app.py wires it so
+    assert all(set(o) <= set(th.REPLAY_OUTPUTS) for o in replayed)
     again = replayed[-1]["session"].run
     assert again.stats == run.stats                                   # same τ, α, tokens/s (recorded times)
     if handler is handlers.race:

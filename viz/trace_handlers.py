@@ -23,8 +23,11 @@ from viz.walk_handlers import start_walk, walk_view
 
 TRACE_DIR = Path(tempfile.gettempdir()) / "knn-ssd-traces"
 # replay speeds: label → factor on the recorded step times (None: no pauses)
-SPEEDS = {"instant": None, "0.5× (slow motion)": 0.5, "1× (as recorded)": 1.0, "2×": 2.0, "4×": 4.0}
-DEFAULT_SPEED = "1× (as recorded)"
+# what a replay updates: the Generate view, the Step-through and the prompt box
+REPLAY_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost", "what_if",
+                  "trace_file", "walk", "prompt")
+SPEEDS = {"0.5×": 0.5, "1×": 1.0, "2×": 2.0, "4×": 4.0, "instant": None}
+DEFAULT_SPEED = "1×"
 MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
 
 
@@ -89,7 +92,7 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
             f"{trace.meta.get('created', '')} · no model runs. "
             + (f"Recorded with {trace.model}, not the loaded {studio.backbone.name}: the map and layer map "
                "are not shown. " if foreign else ""))
-    yield dict(session=session, walk=walk_view(studio, None))
+    yield dict(session=session, walk=walk_view(studio, None), prompt=trace.prompt)
     speed = SPEEDS.get(speed_label, 1.0)
     for update in show_events(studio, session, run, _paced(trace, speed, lambda: session.stop), note,
                               verb="replaying"):
