@@ -152,11 +152,16 @@ def _shots() -> Path:
 def _first_token_after_click(page, prompt: str) -> float:
     page.fill("#prompt textarea", prompt)
     page.wait_for_timeout(300)                     # let the textbox's value reach the app
+    # mark what an earlier run left, so that neither its tokens nor its "done" count for this run
+    # (the app replaces the panel's content with its first update)
+    page.evaluate("document.querySelectorAll('#tokens .tok, #tokens .stream-status')"
+                  ".forEach(e => e.classList.add('earlier-run'))")
     t0 = time.perf_counter()
     page.click("#generate-btn")
-    page.wait_for_selector("#tokens .tok", timeout=30_000)
+    page.wait_for_selector("#tokens .tok:not(.earlier-run)", timeout=30_000)
     first = time.perf_counter() - t0
-    page.wait_for_function("document.querySelector('#tokens').innerText.includes('done')", timeout=180_000)
+    page.wait_for_function("!document.querySelector('#tokens .earlier-run') && "
+                           "document.querySelector('#tokens').innerText.includes('done')", timeout=180_000)
     return first
 
 
@@ -193,18 +198,18 @@ def test_warm_start_up_is_quick_enough(server):
 
 def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
     page = _open(browser, server["url"])
-    firsts = [_first_token_after_click(page, PROMPT)]
-    firsts.append(_first_token_after_click(page, PROMPT))     # the second click: no first-call costs at all
-    limit = 2.0 if _busy() else 1.0
-    print(f"\nclick → first coloured token: {', '.join(f'{t:.2f} s' for t in firsts)} "
-          f"(load average {os.getloadavg()[0]:.1f}; limit {limit} s)")
-    assert min(firsts) <= limit
+    firsts = [_first_token_after_click(page, PROMPT)]        # may share the CPU with the map's background load
     # the app runs on the committed calibration: no fallback banner, KNN routing, real drafts
     assert "calibration: loaded from" in server["log"], server["log"][-2000:]
     body = page.inner_text("body")
     assert "No usable calibration" not in body and "No calibration" not in body
     assert "routed to translation" in page.inner_text("#route"), page.inner_text("#route")
     _wait_for_prompt_on_map(page, PROMPT)
+    firsts.append(_first_token_after_click(page, PROMPT))     # start-up work done: no first-call costs at all
+    limit = 2.0 if _busy() else 1.0
+    print(f"\nclick → first coloured token: {', '.join(f'{t:.2f} s' for t in firsts)} "
+          f"(load average {os.getloadavg()[0]:.1f}; limit {limit} s)")
+    assert min(firsts) <= limit
     # greedy KNN-SSD with γ = 4 over 96 tokens: drafts are accepted and rejected, the verifier adds its own
     kinds = {k: page.locator(f"#tokens .tok.{k}").count() for k in ("acc", "rej", "ver")}
     assert kinds["acc"] >= 1 and kinds["rej"] >= 1 and kinds["ver"] >= 1 and sum(kinds.values()) >= 8, kinds

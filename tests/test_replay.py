@@ -107,3 +107,33 @@ def test_a_trace_of_another_model_replays_without_map_or_layer_map(studio, monke
     out = list(th.replay(studio, None, str(other), "instant"))
     assert "some-other-model" in last(out, "stats") and out[-1]["session"].run.foreign
     assert spans(last(out, "tokens"))
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda d: d["start"]["route"]["neighbours"][0].update(index=10 ** 6), "another calibration"),
+    (lambda d: d["start"]["route"]["neighbours"][0].update(text="an anchor this calibration never had"),
+     "another calibration"),
+    (lambda d: d["start"]["embedding"].update(shape=[2, len(d["start"]["embedding"]["values"]) // 2]),
+     None),
+])
+def test_a_trace_from_another_calibration_replays_without_the_map(studio, monkeypatch, tmp_path, edit, why):
+    monkeypatch.setattr(th.time, "sleep", lambda s: None)
+    d = json.loads(open(last(list(handlers.generate(studio, None, *SETTINGS)), "trace_file")).read())
+    edit(d)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(d))
+    out = list(th.replay(studio, None, str(f), "instant"))
+    assert out[-1]["session"].run.foreign and spans(last(out, "tokens"))
+    if why:
+        assert why in last(out, "stats")
+
+
+def test_a_hand_edited_race_result_is_dropped_not_drawn(studio, monkeypatch, tmp_path):
+    monkeypatch.setattr(th.time, "sleep", lambda s: None)
+    d = json.loads(open(last(list(handlers.race(studio, None, *SETTINGS)), "trace_file")).read())
+    assert th._race(d["meta"]["race"]) is not None
+    d["meta"]["race"]["tokens_per_s"] = "fast"
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(d))
+    out = list(th.replay(studio, None, str(f), "instant"))
+    assert out[-1]["session"].race is None and spans(last(out, "tokens"))

@@ -84,6 +84,7 @@ def test_a_malformed_trace_says_what_is_wrong(tiny, tiny_calibration, edit, mess
     (b"{not json", "not valid JSON"),
     (b"[1, 2, 3]", "holds a list"),
     (b'{"question_id": 81, "category": "writing", "turns": ["Hi"]}', "not a KNN-SSD Studio trace"),
+    (b"[" * 100_000 + b"]" * 100_000, "too deeply"),
 ])
 def test_a_foreign_file_gets_a_clear_message(data, message):
     with pytest.raises(TraceError) as err:

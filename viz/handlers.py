@@ -17,7 +17,7 @@ from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
 from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
-                         map_fig, route_view, stats_view, tokens_view)
+                         map_fig, route_view, stats_view, tokens_view, vocab)
 from viz.studio import (DEFAULT_DRAFT, LABELS, QUICK_CALIBRATION, STRATEGIES, Studio, Update, clean_prompt,
                         load_map, make_config, make_strategy, problem, safe_k)
 
@@ -104,7 +104,7 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
         cal_note = "No calibration for this model yet, so this runs autoregressively. "
         strategy = "ar"
     bb = studio.backbone
-    run = Run(prompt, strategy, cfg, token_str=bb.token_str, eos=frozenset(bb.eos_ids))
+    run = Run(prompt, strategy, cfg)
     session.run, session.stop = run, False
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     yield from show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
@@ -115,6 +115,7 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
     """The Generate view of a run's (event, seconds) stream, live or replayed: tokens, stats, route, map,
     layer map — each figure sent only when it changes."""
     parts: list[str] = []
+    token_str, eos = vocab(studio, run)
     for ev, dt in events:
         run.compute_s += dt
         if isinstance(ev, Start):
@@ -122,7 +123,7 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
             run.route, run.route_used, skip = _in_use(studio, run, ev)
             if skip is not None:
                 run.history.append((0, skip))
-            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, run.token_str, run.eos)))
+            parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, token_str, eos)))
             shortened = note + ("The prompt was shortened to fit. " if ev.truncated else "")
             yield dict(tokens=tokens_view(studio, parts, f"{verb}…"),
                        stats=stats_view(run, None, shortened), route=route_view(run))
@@ -133,7 +134,7 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
         if ev.skip is not None and (run.skip is None or ev.skip != run.skip):
             run.history.append((ev.index + 1, ev.skip))
             update["layer_plot"] = layer_fig(studio, run)
-        parts.append(vtok.tokens_html(vtok.step_tokens(ev, run.token_str, run.eos)))
+        parts.append(vtok.tokens_html(vtok.step_tokens(ev, token_str, eos)))
         update.update(tokens=tokens_view(studio, parts, f"{verb}…"), stats=stats_view(run, None, note))
         yield update
     stopped = session.stop
@@ -233,8 +234,9 @@ def stop(studio: Studio, session) -> dict:
     run = session.run
     if run is None or run.start is None:
         return dict(session=session)
-    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, run.token_str, run.eos))]
-    parts += [vtok.tokens_html(vtok.step_tokens(s, run.token_str, run.eos)) for s in list(run.steps)]
+    token_str, eos = vocab(studio, run)
+    parts = [vtok.tokens_html(vtok.start_tokens(run.start.first_token, token_str, eos))]
+    parts += [vtok.tokens_html(vtok.step_tokens(s, token_str, eos)) for s in list(run.steps)]
     status = f"stopped after {run.stats.new_tokens} tokens"
     return dict(session=session, tokens=tokens_view(studio, parts, status), stats=stats_view(run, None))
 

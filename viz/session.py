@@ -32,8 +32,6 @@ class Run:
     route: dict | None = None
     route_used: bool = False
     history: list = field(default_factory=list)      # [(step, SkipSet)] each time the set changed
-    token_str: object = None                          # id → text (the model's, or a replayed trace's)
-    eos: frozenset = frozenset()
     replay: object = None                             # the Trace being replayed, if this run is one
     foreign: bool = False                             # replayed from another model: no map, no layer map
 
@@ -75,6 +73,13 @@ class Session:
     stop: bool = False
     example_turn: dict = field(default_factory=dict)
     map_whole: bool = False          # the domain map's toggle: whole map instead of the prompt's neighbourhood
+
+
+def vocab(studio: Studio, run: Run):
+    """(id → text, end-of-text ids) for a run: a replay's own, else the loaded model's."""
+    if run.replay is not None:
+        return run.replay.token_str, frozenset(run.replay.eos)
+    return studio.backbone.token_str, studio.backbone.eos_ids
 
 
 def get_session(s) -> Session:

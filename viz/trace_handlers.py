@@ -40,7 +40,7 @@ def save_trace(studio: Studio, session) -> str | None:
         studio.backbone, run.prompt, run.strategy, run.config, run.start, run.steps, run.compute_s,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), app="KNN-SSD Studio",
         device=str(getattr(studio.backbone, "device", "cpu")),
-        calibration=str(studio.cal_folder) if studio.calibration is not None else None,
+        calibration=Path(studio.cal_folder).name if studio.calibration is not None else None,   # no server paths
         stopped=bool(session.stop),
         race=dataclasses.asdict(session.race) if session.race is not None else None)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -84,26 +84,19 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
     except OSError as exc:
         yield _problem(f"Cannot read the file: {exc.strerror or exc}", session)
         return
-    foreign = trace.model != studio.backbone.name
-    run = Run(trace.prompt, trace.strategy, trace.config, token_str=trace.token_str, eos=frozenset(trace.eos),
-              replay=trace, foreign=foreign)
+    elsewhere = _recorded_elsewhere(studio, trace)
+    run = Run(trace.prompt, trace.strategy, trace.config, replay=trace, foreign=elsewhere is not None)
     session.run, session.stop, session.race = run, False, None
     note = (f"Replay of a {LABELS.get(trace.strategy, trace.strategy)} run recorded "
             f"{trace.meta.get('created', '')} · no model runs. "
-            + (f"Recorded with {trace.model}, not the loaded {studio.backbone.name}: the map and layer map "
-               "are not shown. " if foreign else ""))
+            + (f"Recorded with {elsewhere}: the map and layer map are not shown. " if elsewhere else ""))
     yield dict(session=session, walk=walk_view(studio, None), prompt=trace.prompt)
     speed = SPEEDS.get(speed_label, 1.0)
     for update in show_events(studio, session, run, _paced(trace, speed, lambda: session.stop), note,
                               verb="replaying"):
         yield dict(session=session, **update)
-    race = trace.meta.get("race")
-    if isinstance(race, dict):
-        try:
-            session.race = vstats.RaceResult(**race)
-        except TypeError:
-            session.race = None
-    cost, what_if_fig = cost_view(studio, run, session.race) if not foreign else (None, None)
+    session.race = _race(trace.meta.get("race"))
+    cost, what_if_fig = cost_view(studio, run, session.race) if not run.foreign else (None, None)
     walk = walk_from_trace(trace, 1.0 if speed is None else speed)
     session.walk = walk
     out = dict(session=session, stats=stats_view(run, session.race, note),
@@ -111,6 +104,32 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
     if cost is not None:
         out.update(cost=cost, what_if=what_if_fig)
     yield out
+
+
+def _recorded_elsewhere(studio: Studio, trace: Trace) -> str | None:
+    """Why the map and layer map cannot show this trace (another model or calibration), or None."""
+    bb, cal = studio.backbone, studio.calibration
+    if trace.model != bb.name or tuple(trace.start.embedding.shape) != (bb.hidden,):
+        return f"{trace.model}, not the loaded {bb.name}"
+    route = trace.start.route
+    if route is not None:
+        r = cal.router if cal is not None else None
+        same = r is not None and all(0 <= n.index < len(r.texts) and r.texts[n.index] == n.text
+                                     and r.domains[n.index] == n.domain for n in route.neighbours)
+        if not same:
+            return "another calibration (its anchor prompts differ from the loaded one's)"
+    return None
+
+
+def _race(d) -> vstats.RaceResult | None:
+    """The race result a trace kept, if it is well-formed (a hand-edited file may not be)."""
+    numbers = ("ar_tokens_per_s", "tokens_per_s", "ar_tokens", "tokens")
+    if not isinstance(d, dict) or set(d) != {f.name for f in dataclasses.fields(vstats.RaceResult)}:
+        return None
+    ok = (isinstance(d["strategy"], str) and d["identical"] in (True, False, None)
+          and all(isinstance(d[k], (int, float)) and not isinstance(d[k], bool) and d[k] >= 0 for k in numbers)
+          and (d["first_difference"] is None or isinstance(d["first_difference"], int)))
+    return vstats.RaceResult(**d) if ok else None
 
 
 def walk_from_trace(trace: Trace, speed: float = 1.0) -> Walk:

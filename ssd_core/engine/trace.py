@@ -104,6 +104,8 @@ class Trace:
         except json.JSONDecodeError as exc:
             raise TraceError(f"the file is not valid JSON ({exc.msg} at line {exc.lineno}, column "
                              f"{exc.colno}), so it is not a trace") from None
+        except RecursionError:
+            raise TraceError("the file nests JSON too deeply to be a trace") from None
         return cls.from_dict(data)
 
     @classmethod
