@@ -176,12 +176,12 @@ def test_speculative_sampling_joint_law_matches_target(setting):
     assert bonus_pit_p(target, bonus) > 1e-3
 
 
-def _always_accept(logits, drafted, q_rows, cfg, gen):
+def _always_accept(logits, drafted, q_rows, cfg, gen, p_rows=None):
     p_rows = D._probs(logits, cfg)
     return len(drafted), D._sample(p_rows[len(drafted)], gen)
 
 
-def _accept_q_over_p(logits, drafted, q_rows, cfg, gen):
+def _accept_q_over_p(logits, drafted, q_rows, cfg, gen, p_rows=None):
     """The ratio upside down: accept with min(1, q/p)."""
     p_rows = D._probs(logits, cfg)
     for i, d in enumerate(drafted):
@@ -193,7 +193,7 @@ def _accept_q_over_p(logits, drafted, q_rows, cfg, gen):
     return len(drafted), D._sample(p_rows[len(drafted)], gen)
 
 
-def _resample_from_p(logits, drafted, q_rows, cfg, gen):
+def _resample_from_p(logits, drafted, q_rows, cfg, gen, p_rows=None):
     """The right acceptance test, but a rejection resamples from p instead of norm(max(0, p − q))."""
     p_rows = D._probs(logits, cfg)
     for i, d in enumerate(drafted):

@@ -17,7 +17,7 @@ from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
 from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
-                         map_fig, route_view, stats_view, tokens_view, vocab)
+                         map_fig, route_view, stats_view, tokens_view, trace_download, vocab)
 from viz.studio import (DEFAULT_DRAFT, LABELS, QUICK_CALIBRATION, STRATEGIES, Studio, Update, clean_prompt,
                         load_map, make_config, make_strategy, problem, safe_k)
 
@@ -186,7 +186,8 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
     if not racing:
         cost, what_if_fig = cost_view(studio, session.run, None)
         yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
-                   stats=stats_view(session.run, session.race), trace_file=_keep(studio, session))
+                   stats=stats_view(session.run, session.race),
+                   trace_file=trace_download(studio, session))
         return
     yield from _ar_lap(studio, session, prompt, cfg)
 
@@ -208,7 +209,7 @@ def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
                 None, running=f"2/2 · autoregressive: {len(ar_ids)} of ≤ {cfg.max_new_tokens} tokens"))
     if session.stop:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"),
-                   trace_file=_keep(studio, session))
+                   trace_file=trace_download(studio, session))
         return
     ids = run.token_ids
     same = tuple(ar_ids) == ids
@@ -218,13 +219,7 @@ def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
         identical=same if cfg.greedy else None, first_difference=None if same else first_difference(ar_ids, ids))
     cost, what_if_fig = cost_view(studio, run, session.race)
     yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
-               cost=cost, what_if=what_if_fig, trace_file=_keep(studio, session))
-
-
-def _keep(studio: Studio, session: Session):
-    """The finished run as a trace file for the download button (viz.trace_handlers)."""
-    from viz.trace_handlers import download     # it builds on this module
-    return download(studio, session)
+               cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))
 
 
 def stop(studio: Studio, session) -> dict:

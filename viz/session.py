@@ -4,18 +4,24 @@ Each view takes the shared Studio and this session's last run and returns HTML o
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime as _dt
+import tempfile
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ssd_core.engine.decode import DecodeConfig, Start
 from ssd_core.engine.device import device_label
 from ssd_core.engine.generate import summarize
 from ssd_core.engine.skipset import SkipSet
+from ssd_core.engine.trace import record
 from viz import cost as vcost
 from viz import domain_map as vmap
 from viz import layers as vlayers
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.studio import LABELS, MAP_H, PLOT_H, Studio
+from viz.studio import LABELS, MAP_H, PLOT_H, Studio, Update
 
 
 # --- per-session state ---------------------------------------------------------------------------
@@ -60,8 +66,7 @@ class Walk:
     step: object | None = None
     phase: str = "draft"
     done: bool = False
-    token_str: object = None           # id → text; None: the loaded model's
-    detok: object = None               # ids → text; None: the loaded model's
+    replay: object = None              # the Trace it walks, if it replays one (its token texts are used)
     pause: float = 0.9                 # auto-play: seconds between phases
 
 
@@ -80,6 +85,33 @@ def vocab(studio: Studio, run: Run):
     if run.replay is not None:
         return run.replay.token_str, frozenset(run.replay.eos)
     return studio.backbone.token_str, studio.backbone.eos_ids
+
+
+# --- traces: a run kept as a file ----------------------------------------------------------------------
+TRACE_DIR = Path(tempfile.gettempdir()) / "knn-ssd-traces"
+
+
+def save_trace(studio: Studio, session) -> str | None:
+    """The session's last run as a trace file (its path), or None when there is no run to keep."""
+    run = session.run
+    if run is None or run.start is None:
+        return None
+    trace = run.replay or record(
+        studio.backbone, run.prompt, run.strategy, run.config, run.start, run.steps, run.compute_s,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), app="KNN-SSD Studio",
+        device=device_label(studio.backbone.device),
+        calibration=Path(studio.cal_folder).name if studio.calibration is not None else None,   # no server paths
+        stopped=bool(session.stop),
+        race=dataclasses.asdict(session.race) if session.race is not None else None)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = TRACE_DIR / uuid.uuid4().hex[:8] / f"knn-ssd-trace-{trace.strategy}-{stamp}.json"
+    return str(trace.save(path))
+
+
+def trace_download(studio: Studio, session) -> Update:
+    """The download button after a run: its file, usable; unusable when there is nothing to keep."""
+    path = save_trace(studio, session)
+    return Update(value=path, interactive=path is not None)
 
 
 def get_session(s) -> Session:

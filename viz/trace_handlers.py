@@ -7,51 +7,22 @@ so it shows the same coloured tokens, route, map, layer map, stats and cost pane
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
-from ssd_core.engine.trace import Trace, TraceError, record
+from ssd_core.engine.trace import Trace, TraceError
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.handlers import show_events
-from viz.session import Run, Walk, cost_view, get_session, stats_view
-from viz.studio import LABELS, Studio, Update
+from viz.handlers import GEN_OUTPUTS, show_events
+from viz.session import Run, Walk, cost_view, get_session, stats_view, trace_download
+from viz.studio import LABELS, Studio
 from viz.walk_handlers import start_walk, walk_view
 
-TRACE_DIR = Path(tempfile.gettempdir()) / "knn-ssd-traces"
-# replay speeds: label → factor on the recorded step times (None: no pauses)
 # what a replay updates: the Generate view, the Step-through and the prompt box
-REPLAY_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost", "what_if",
-                  "trace_file", "walk", "prompt")
+REPLAY_OUTPUTS = GEN_OUTPUTS + ("walk", "prompt")
+# replay speeds: label → factor on the recorded step times (None: no pauses)
 SPEEDS = {"0.5×": 0.5, "1×": 1.0, "2×": 2.0, "4×": 4.0, "instant": None}
 DEFAULT_SPEED = "1×"
 MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
-
-
-def save_trace(studio: Studio, session) -> str | None:
-    """The session's last run as a trace file (its path), or None when there is no run to keep."""
-    run = session.run
-    if run is None or run.start is None:
-        return None
-    trace = run.replay or record(
-        studio.backbone, run.prompt, run.strategy, run.config, run.start, run.steps, run.compute_s,
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), app="KNN-SSD Studio",
-        device=str(getattr(studio.backbone, "device", "cpu")),
-        calibration=Path(studio.cal_folder).name if studio.calibration is not None else None,   # no server paths
-        stopped=bool(session.stop),
-        race=dataclasses.asdict(session.race) if session.race is not None else None)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = TRACE_DIR / uuid.uuid4().hex[:8] / f"knn-ssd-trace-{trace.strategy}-{stamp}.json"
-    return str(trace.save(path))
-
-
-def download(studio: Studio, session) -> Update:
-    """The download button after a run: its file, usable; unusable when there is nothing to keep."""
-    path = save_trace(studio, session)
-    return Update(value=path, interactive=path is not None)
 
 
 def _paced(trace: Trace, speed, should_stop):
@@ -100,7 +71,8 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
     walk = walk_from_trace(trace, 1.0 if speed is None else speed)
     session.walk = walk
     out = dict(session=session, stats=stats_view(run, session.race, note),
-               race=vstats.race_html(session.race), walk=walk_view(studio, walk), trace_file=download(studio, session))
+               race=vstats.race_html(session.race), walk=walk_view(studio, walk),
+               trace_file=trace_download(studio, session))
     if cost is not None:
         out.update(cost=cost, what_if=what_if_fig)
     yield out
@@ -134,7 +106,6 @@ def _race(d) -> vstats.RaceResult | None:
 
 def walk_from_trace(trace: Trace, speed: float = 1.0) -> Walk:
     """A Step-through over the trace's steps: the same phases as a live walk, with the trace's token texts."""
-    walk = start_walk(trace.prompt, trace.start, iter(trace.steps), token_str=trace.token_str,
-                      detok=lambda ids: "".join(trace.token_str(i) for i in ids))
+    walk = start_walk(trace.prompt, trace.start, iter(trace.steps), replay=trace)
     walk.pause = 0.9 / max(speed, 0.1)
     return walk

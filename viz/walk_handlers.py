@@ -18,10 +18,11 @@ def walk_view(studio: Studio, walk: Walk | None) -> str:
         return vwalk.walk_html("", None, "draft", studio.backbone.token_str)
     if walk.done and walk.step is None:
         return '<div class="walk idle">The answer is complete. Press <b>Start</b> for another prompt.</div>'
-    detok = walk.detok or studio.backbone.decode
-    context = walk.prompt + "\n\n" + detok(walk.ids)
-    return vwalk.walk_html(context, walk.step, walk.phase, walk.token_str or studio.backbone.token_str,
-                           walk.skip_desc)
+    if walk.replay is not None:         # a replayed trace: its own token texts, no tokenizer
+        token_str, text = walk.replay.token_str, "".join(map(walk.replay.token_str, walk.ids))
+    else:
+        token_str, text = studio.backbone.token_str, studio.backbone.decode(walk.ids)
+    return vwalk.walk_html(walk.prompt + "\n\n" + text, walk.step, walk.phase, token_str, walk.skip_desc)
 
 
 def _advance(walk: Walk) -> None:
@@ -56,14 +57,14 @@ def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k
     return dict(session=session, walk=walk_view(studio, session.walk))
 
 
-def start_walk(prompt: str, start, events, token_str=None, detok=None) -> Walk:
+def start_walk(prompt: str, start, events, replay=None) -> Walk:
     """A walk from a run's Start and its remaining Steps (a live decode or a replayed trace)."""
     route = start.route.to_dict() if start.route else None
     skip = start.skip.to_dict() if start.skip else None
     desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
             "sublayers" if route and skip else
             f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
-    walk = Walk(events, prompt, desc, ids=[start.first_token], token_str=token_str, detok=detok)
+    walk = Walk(events, prompt, desc, ids=[start.first_token], replay=replay)
     _advance(walk)
     return walk
 

@@ -250,15 +250,15 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
     t_accept = time.perf_counter()
     if greedy:
         top = logits.argmax(-1)       # on the logits, as transformers does: ties resolve the same way
-        p_top = torch.softmax(logits.float(), -1).gather(-1, top[:, None])[:, 0]
+        p_top = (logits.gather(-1, top[:, None])[:, 0].float() - torch.logsumexp(logits.float(), -1)).exp()
         verified, verify_probs = tuple(top.tolist()), tuple(p_top.tolist())
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == verified[accepted]:
             accepted += 1
         committed = tuple(drafted[:accepted]) + (verified[accepted],)
     else:
-        accepted, bonus = _speculative_sample(logits, drafted, q_rows, cfg, gen)
-        p_rows = _probs(logits, cfg)   # again, for the record: the rule above may be swapped in tests
+        p_rows = _probs(logits, cfg)
+        accepted, bonus = _speculative_sample(logits, drafted, q_rows, cfg, gen, p_rows=p_rows)
         committed = tuple(drafted[:accepted]) + (bonus,)
         verified = committed
         verify_probs = tuple(float(p_rows[i, t]) for i, t in enumerate(committed))
@@ -273,9 +273,10 @@ def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConf
                 source=source, forecast=decision.forecast, verify_probs=verify_probs)
 
 
-def _speculative_sample(logits, drafted, q_rows, cfg, gen) -> tuple[int, int]:
-    """Accept draft i with prob min(1, p/q); on rejection resample from norm(max(0, p − q))."""
-    p_rows = _probs(logits, cfg)
+def _speculative_sample(logits, drafted, q_rows, cfg, gen, p_rows=None) -> tuple[int, int]:
+    """Accept draft i with prob min(1, p/q); on rejection resample from norm(max(0, p − q)).
+    p_rows: the verifier's distributions (_probs of logits), when the caller has them already."""
+    p_rows = _probs(logits, cfg) if p_rows is None else p_rows
     for i, d in enumerate(drafted):
         p, q = p_rows[i], q_rows[i]
         ratio = float(p[d]) / max(float(q[d]), 1e-20)

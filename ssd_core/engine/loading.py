@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .backbone import Backbone, UnsupportedModelError
-from .device import add_device_argument, device_label, resolve_device  # noqa: F401  (one place to import)
+from .device import resolve_device
 
 log = logging.getLogger(__name__)
 

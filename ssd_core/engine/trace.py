@@ -274,13 +274,13 @@ class _Reader:
 
 
 def _config(d, where) -> DecodeConfig:
-    r = _Reader(d, where)
-    known = {f.name for f in fields(DecodeConfig)}
-    unknown = sorted(set(d) - known)
+    if not isinstance(d, dict):
+        raise TraceError(f"{where}: expected an object, found a {_kind(d)}")
+    unknown = sorted(set(d) - {f.name for f in fields(DecodeConfig)})
     if unknown:
         raise TraceError(f"{where}: unknown setting(s) {', '.join(map(repr, unknown))}")
     try:
-        return DecodeConfig(**r.d)
+        return DecodeConfig(**d)
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{where}: {exc}") from None
 
