@@ -36,7 +36,7 @@ from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
 from .matchness import build_match_data, matchness_per_domain
 from .router import Router, suggest_threshold
-from .search import SEARCH_MODES, search_all
+from .search import SEARCH_METHODS, SEARCH_MODES, search_all
 from .search_memo import SearchMemo, fingerprint
 
 ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
@@ -159,13 +159,14 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               umap: bool = True, progress: bool = True,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
-              device: str | torch.device = "auto") -> cal_io.Calibration:
+              device: str | torch.device = "auto", search_method: str = "tpe") -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
 
     search_mode "speed" maximises predicted speedup above that floor; "matchness" (KNN-SSD) fixes
-    every set at `skip_ratio` of the 2·L sublayers and maximises matchness. check_margin: how much
+    every set at `skip_ratio` of the 2·L sublayers and maximises matchness, with TPE or (search_method
+    "greedy") by importance, construction and swaps (calibration.greedy). check_margin: how much
     a domain's set must beat the static set on its own held-out prompts to be kept. resume: reuse
     the matchness memo an interrupted run left in `out` (same model, draft and data only).
 
@@ -206,7 +207,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
         print(f"resuming the search: {memo.size} matchness values from {memo.path}")
     results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
                                  progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
-                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo)
+                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method)
     timings["search_s"] = time.perf_counter() - t
     searched = {d: r.skip for d, r in results.items()}
 
@@ -275,6 +276,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "continuation_tokens": continuation_tokens, "max_prompt_tokens": max_prompt_tokens,
                      "seed": seed, "min_skip_ratio": min_skip_ratio, "min_skipped": min_skipped,
                      "search_draft": draft, "matchness_draft": draft, "search_mode": search_mode,
+                     "search_method": search_method,
                      "skip_ratio": skip_ratio if search_mode == "matchness" else None,
                      "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
                      if search_mode == "matchness" else None, "check_margin": check_margin},
@@ -317,6 +319,10 @@ def main(argv=None):
                     help="speed: maximise predicted tokens per unit time above --min-skip-ratio; "
                          "matchness: KNN-SSD's search, every set skips exactly --skip-ratio of the "
                          "sublayers and the search maximises matchness")
+    ap.add_argument("--search-method", default="tpe", choices=SEARCH_METHODS,
+                    help="how --search-mode matchness searches: tpe (optuna over one score per "
+                         "sublayer) or greedy (each sublayer's importance, then build the set step by "
+                         "step and swap; --budget caps only the swaps)")
     ap.add_argument("--skip-ratio", type=float, default=0.25,
                     help="share of the 2·L sublayers every set skips in --search-mode matchness")
     ap.add_argument("--check-margin", type=float, default=0.02,
@@ -343,6 +349,7 @@ def main(argv=None):
                     continuation_tokens=args.continuation_tokens, max_prompt_tokens=args.max_prompt_tokens,
                     seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
                     draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
+                    search_method=args.search_method,
                     check_margin=args.check_margin, resume=not args.fresh, device=args.device)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],

@@ -9,7 +9,9 @@ Two search modes, side by side (`SEARCH_MODES`):
   then TPE - optuna's Bayesian optimiser - over one boolean per sublayer);
 - "matchness": KNN-SSD's own recipe: every set skips exactly `skip_ratio` of the sublayers and the
   search maximises matchness (TPE over one score per sublayer; the top-k scores are skipped).
-In both, the first and last layers are never skipped (calibration.candidates). Matchness values are
+In "matchness" mode the search method is "tpe" (as above) or "greedy" (calibration.greedy: score each
+sublayer alone, build the set step by step, then swap). In both modes, the first and last layers are
+never skipped (calibration.candidates). Matchness values are
 memoised by set and can be passed in (`known`), so an interrupted calibration resumes where it stopped.
 """
 from __future__ import annotations
@@ -20,11 +22,13 @@ from ..engine.backbone import Backbone
 from ..engine.skipset import SkipSet
 from .candidates import (check_initial, default_initial, fixed_size_candidates, initial_with, random_candidates,
                          ratio_count, structured_candidates, suggest_set, trial_params)
+from .greedy import SHORTLIST, greedy_set, slots_of
 from .latency import LatencyModel
 from .matchness import MatchData, matchness, merge
 
 STATIC = "static"
 SEARCH_MODES = ("speed", "matchness")
+SEARCH_METHODS = ("tpe", "greedy")
 
 
 # --- the search ----------------------------------------------------------------------------------------
@@ -112,7 +116,7 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
                     initial: SkipSet | None = None, n_random: int | None = None,
                     progress: bool = True, min_skipped: int = 1, draft=None,
                     mode: str = "speed", skip_ratio: float = 0.25,
-                    known: dict | None = None, on_new=None) -> SearchResult:
+                    known: dict | None = None, on_new=None, method: str = "tpe") -> SearchResult:
     """Find the skip set maximising the mode's objective on `data`.
 
     mode "speed": predicted speedup (latency model, at the best draft length ≤ gamma) over sets of
@@ -123,6 +127,8 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
     Trials: the initial set, shaped candidates, `n_random` random sets (default budget // 3), then
     TPE. budget: distinct candidates scored (each costs one matchness pass unless memoised); TPE
     re-proposes sets it likes, and those free repeats do not count (at most 4 × budget trials).
+    method "greedy" (matchness mode only): calibration.greedy.greedy_set instead of the trials
+    above; its construction always completes, the budget caps only its swaps.
     """
     from tqdm.auto import tqdm
 
@@ -133,6 +139,10 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
         raise ValueError(f"latency model is for {latency.n_layers} layers, the backbone has {L}")
     if budget < 1:
         raise ValueError("budget must be ≥ 1 candidate")
+    if method not in SEARCH_METHODS:
+        raise ValueError(f"unknown search method {method!r}; choose from {', '.join(SEARCH_METHODS)}")
+    if method == "greedy" and mode != "matchness":
+        raise ValueError("the greedy method builds sets of one fixed size: use it with mode 'matchness'")
     n_random = n_random if n_random is not None else max(1, budget // 3)
     count = None
     if mode == "matchness":
@@ -150,10 +160,12 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
                 initial = initial_with(L, min_skipped)
         starts = structured_candidates(L) + random_candidates(L, n_random, seed)
     check_initial(initial, L, min_skipped)
-    # the initial set goes first so the result can never be worse than it
-    queue = _distinct([initial] + starts, budget, min_skipped)
     scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped, draft,
                      draft.kind if draft is not None else "fp32", mode, known, on_new)
+    if method == "greedy":
+        return _greedy(scorer, L, count, budget, name, progress)
+    # the initial set goes first so the result can never be worse than it
+    queue = _distinct([initial] + starts, budget, min_skipped)
     study = _make_study(seed, len(queue))
     for skip in queue:
         study.enqueue_trial(trial_params(skip, L, count))
@@ -177,6 +189,25 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
     return _result(scorer.history, name)
 
 
+def _greedy(scorer: _Scorer, L: int, count: int, budget: int, name: str, progress: bool) -> SearchResult:
+    from tqdm.auto import tqdm
+
+    least = len(slots_of(L)) + (count - 1) * SHORTLIST    # the construction's passes at most
+    bar = tqdm(total=max(budget, least), desc=f"greedy {name}".rstrip(), disable=not progress)
+
+    def score(skip: SkipSet) -> float:
+        before = scorer.evaluated
+        scorer(skip)
+        bar.update(scorer.evaluated - before)
+        return scorer.known[set_key(skip)]
+
+    try:
+        greedy_set(L, count, score, lambda: scorer.evaluated, budget)
+    finally:
+        bar.close()
+    return _result(scorer.history, name)
+
+
 def _best(history: list[dict]) -> dict:
     """The best feasible trial (the earliest among equals, so a fixed seed gives one answer)."""
     pool = [k for k, h in enumerate(history) if h["feasible"]] or list(range(len(history)))
@@ -186,16 +217,17 @@ def _best(history: list[dict]) -> dict:
 def _result(history: list[dict], name: str) -> SearchResult:
     h = _best(history)
     skip = SkipSet(frozenset(h["attn"]), frozenset(h["mlp"]), name=name)
+    first = next((t for t in history if t["feasible"]), history[0])   # greedy starts with single sublayers
     return SearchResult(skip=skip, matchness=h["matchness"], objective=h["objective"],
-                        initial_objective=history[0]["objective"], trials=len(history),
+                        initial_objective=first["objective"], trials=len(history),
                         history=tuple(history))
 
 
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
                context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1,
-               draft=None, mode: str = "speed", skip_ratio: float = 0.25, memo=None
-               ) -> tuple[dict[str, SearchResult], SearchResult]:
+               draft=None, mode: str = "speed", skip_ratio: float = 0.25, memo=None,
+               method: str = "tpe") -> tuple[dict[str, SearchResult], SearchResult]:
     """One set per domain, plus the global static ("Self-SD mix") set searched on all domains.
 
     static_per_domain: sequences each domain contributes to the static mix (None: all of them).
@@ -205,7 +237,7 @@ def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency
     if STATIC in data_by_domain:
         raise ValueError(f"{STATIC!r} is reserved for the global set; rename that domain")
     kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress,
-              min_skipped=min_skipped, draft=draft, mode=mode, skip_ratio=skip_ratio)
+              min_skipped=min_skipped, draft=draft, mode=mode, skip_ratio=skip_ratio, method=method)
     limit = None if static_per_domain is None else static_per_domain * len(data_by_domain)
     jobs = [*data_by_domain.items(), (STATIC, merge(list(data_by_domain.values()), limit))]
     out = {}
