@@ -281,6 +281,7 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
         assert len(searched["attn"]) + len(searched["mlp"]) == 3       # 0.3 of 2 × 5 sublayers
     assert sum("CHECK FAILED for domain" in r.message for r in caplog.records) == len(DOMAINS)
     assert cal.meta["settings"]["search_mode"] == "matchness"
+    assert cal.meta["settings"]["search_method"] == "greedy"     # the default for fixed-size sets
     assert not (out / ".search_memo.json").exists()          # a finished run leaves no memo
     outside = cal.routing["check_set"]                       # routing on assets/routing_check/
     assert outside["prompts"] >= 7 and "overall" in outside["accuracy"]

@@ -109,3 +109,8 @@ def test_search_all_passes_the_method_on(tiny, data):
                               progress=False, mode="matchness", skip_ratio=0.3, method="greedy")
     assert len(sets["math"].skip) == len(static.skip) == 3
     assert any(len(h["attn"]) + len(h["mlp"]) == 1 for h in static.history)
+
+
+def test_the_cli_default_method_follows_the_mode():
+    from ssd_core.calibration.search import default_method
+    assert default_method("matchness") == "greedy" and default_method("speed") == "tpe"

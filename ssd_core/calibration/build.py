@@ -36,7 +36,7 @@ from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
 from .matchness import build_match_data, matchness_per_domain
 from .router import Router, suggest_threshold
-from .search import SEARCH_METHODS, SEARCH_MODES, search_all
+from .search import SEARCH_METHODS, SEARCH_MODES, default_method, search_all
 from .search_memo import SearchMemo, fingerprint
 
 ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
@@ -159,14 +159,14 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               umap: bool = True, progress: bool = True,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
-              device: str | torch.device = "auto", search_method: str = "tpe") -> cal_io.Calibration:
+              device: str | torch.device = "auto", search_method: str | None = None) -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
 
     search_mode "speed" maximises predicted speedup above that floor; "matchness" (KNN-SSD) fixes
     every set at `skip_ratio` of the 2·L sublayers and maximises matchness, with TPE or (search_method
-    "greedy") by importance, construction and swaps (calibration.greedy). check_margin: how much
+    "greedy", the default there) by importance, construction and swaps (calibration.greedy). check_margin: how much
     a domain's set must beat the static set on its own held-out prompts to be kept. resume: reuse
     the matchness memo an interrupted run left in `out` (same model, draft and data only).
 
@@ -175,6 +175,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     default floor is 2 sublayers (3%) and the search maximises predicted tokens per unit time above
     it. With that floor every domain of the default model got the same set (see the README).
     """
+    search_method = search_method or default_method(search_mode)
     t_start = time.perf_counter()
     timings = {}
     bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
@@ -319,10 +320,11 @@ def main(argv=None):
                     help="speed: maximise predicted tokens per unit time above --min-skip-ratio; "
                          "matchness: KNN-SSD's search, every set skips exactly --skip-ratio of the "
                          "sublayers and the search maximises matchness")
-    ap.add_argument("--search-method", default="tpe", choices=SEARCH_METHODS,
-                    help="how --search-mode matchness searches: tpe (optuna over one score per "
-                         "sublayer) or greedy (each sublayer's importance, then build the set step by "
-                         "step and swap; --budget caps only the swaps)")
+    ap.add_argument("--search-method", default=None, choices=SEARCH_METHODS,
+                    help="how --search-mode matchness searches: greedy (default there: each "
+                         "sublayer's importance, then build the set step by step and swap; --budget "
+                         "caps only the swaps) or tpe (optuna over one score per sublayer); speed mode "
+                         "uses tpe")
     ap.add_argument("--skip-ratio", type=float, default=0.25,
                     help="share of the 2·L sublayers every set skips in --search-mode matchness")
     ap.add_argument("--check-margin", type=float, default=0.02,
