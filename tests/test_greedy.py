@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ssd_core.calibration.greedy import as_set, greedy_set, slots_of
+from ssd_core.calibration.candidates import from_slots, searchable_slots
+from ssd_core.calibration.greedy import greedy_set
 from ssd_core.calibration.matchness import build_match_data, matchness
 from ssd_core.calibration.search import search_all, search_skip_set
 from test_search import PROMPTS, latency_for
@@ -26,39 +27,39 @@ class Made:
 
 
 def prices(n_layers):
-    return {s: 0.01 * (k + 1) for k, s in enumerate(slots_of(n_layers))}
+    return {s: 0.01 * (k + 1) for k, s in enumerate(searchable_slots(n_layers))}
 
 
 def test_greedy_picks_the_cheapest_sublayers_when_costs_add_up():
     made = Made(prices(8))
     chosen, alone = greedy_set(8, 3, made, made.evaluated, budget=1000)
-    assert set(chosen) == set(slots_of(8)[:3])
+    assert set(chosen) == set(searchable_slots(8)[:3])
     assert alone == {s: pytest.approx(1.0 - p) for s, p in prices(8).items()}
 
 
 def test_construction_sees_interactions_between_skipped_sublayers():
     """The two least important sublayers alone are a bad pair: the construction avoids the pair."""
-    s = slots_of(8)
+    s = searchable_slots(8)
     made = Made(prices(8), pair=(s[0], s[1]), pair_cost=0.5)
     chosen, _ = greedy_set(8, 2, made, made.evaluated, budget=0)
     assert s[0] in chosen and s[1] not in chosen and s[2] in chosen
 
 
 def test_swaps_repair_what_a_one_candidate_construction_got_wrong():
-    s = slots_of(8)
+    s = searchable_slots(8)
     made = Made(prices(8), pair=(s[0], s[1]), pair_cost=0.5)
     built, _ = greedy_set(8, 2, made, made.evaluated, budget=0, shortlist=1)
     assert set(built) == {s[0], s[1]}                  # no choice per step, no swaps allowed
     made = Made(prices(8), pair=(s[0], s[1]), pair_cost=0.5)
     swapped, _ = greedy_set(8, 2, made, made.evaluated, budget=1000, shortlist=1)
-    assert made(as_set(swapped)) > made(as_set(built))
+    assert made(from_slots(swapped)) > made(from_slots(built))
     assert not {s[0], s[1]} <= set(swapped)
 
 
 def test_the_budget_caps_only_the_swaps():
     made = Made(prices(8))
     greedy_set(8, 4, made, made.evaluated, budget=1)
-    n = len(slots_of(8))
+    n = len(searchable_slots(8))
     assert n < made.evaluated() <= n + 3 * 6         # singles + construction, nothing more
 
 

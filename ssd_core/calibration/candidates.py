@@ -11,7 +11,7 @@ import random
 from ..engine.skipset import SkipSet
 
 
-def _from_slots(chosen, name: str = "") -> SkipSet:
+def from_slots(chosen, name: str = "") -> SkipSet:
     """A set from (kind, layer) slots."""
     return SkipSet(frozenset(i for k, i in chosen if k == "attn"),
                    frozenset(i for k, i in chosen if k == "mlp"), name=name)
@@ -23,6 +23,11 @@ def searchable_layers(n_layers: int) -> range:
     if n_layers < 3:
         raise ValueError(f"a model with {n_layers} layers has no skippable middle layers")
     return range(1, n_layers - 1)
+
+
+def searchable_slots(n_layers: int) -> list[tuple[str, int]]:
+    """Every skippable sublayer as (kind, layer), in layer order."""
+    return [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
 
 
 def _middle(n_layers: int) -> list[int]:
@@ -45,7 +50,7 @@ def initial_with(n_layers: int, count: int) -> SkipSet:
             [("attn", i) for i in mid] + [("mlp", i) for i in mid[1::2]] + \
             [(k, i) for i in inner for k in ("attn", "mlp")]
     chosen = list(dict.fromkeys(order))[:count]
-    return _from_slots(chosen, "initial")
+    return from_slots(chosen, "initial")
 
 
 def structured_candidates(n_layers: int) -> list[SkipSet]:
@@ -65,13 +70,13 @@ def random_candidates(n_layers: int, n: int, seed: int = 0, min_skipped: int = 1
     only a few skipped sublayers pay off, that region would never be seen before TPE starts.
     """
     rng = random.Random(seed)
-    slots = [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
+    slots = searchable_slots(n_layers)
     out = []
     for _ in range(n):
         low = min(max(1, min_skipped) / len(slots), 0.5)
         density = rng.uniform(low, max(low, 0.5) if min_skipped <= 1 else min(0.6, low * 1.6))
         chosen = [slot for slot in slots if rng.random() < density] or [rng.choice(slots)]
-        out.append(_from_slots(chosen))
+        out.append(from_slots(chosen))
     return out
 
 
@@ -84,7 +89,7 @@ def ratio_count(n_layers: int, ratio: float) -> int:
 
 def fixed_size_candidates(n_layers: int, count: int, n_random: int, seed: int = 0) -> list[SkipSet]:
     """Starting sets of exactly `count` sublayers: three shaped ones, then uniform random draws."""
-    slots = [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
+    slots = searchable_slots(n_layers)
     inner = list(searchable_layers(n_layers))
     mid = _middle(n_layers)
     shapes = [None,  # initial_with's order: middle attentions first
@@ -93,11 +98,11 @@ def fixed_size_candidates(n_layers: int, count: int, n_random: int, seed: int = 
     out = [initial_with(n_layers, count)]
     for order in shapes[1:]:
         chosen = list(dict.fromkeys(order))[:count]
-        out.append(_from_slots(chosen))
+        out.append(from_slots(chosen))
     rng = random.Random(seed)
     for _ in range(n_random):
         chosen = rng.sample(slots, count)
-        out.append(_from_slots(chosen))
+        out.append(from_slots(chosen))
     return out
 
 
@@ -121,7 +126,7 @@ def suggest_set(trial, n_layers: int, name: str, count: int | None = None) -> Sk
                   for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
         top = sorted(range(len(scores)), key=lambda j: (-scores[j][0], j))[:count]
         chosen = [scores[j][1:] for j in top]
-        return _from_slots(chosen, name)
+        return from_slots(chosen, name)
     chosen = {"attn": set(), "mlp": set()}
     for i in searchable_layers(n_layers):
         for kind in ("attn", "mlp"):

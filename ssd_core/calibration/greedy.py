@@ -19,44 +19,34 @@ from __future__ import annotations
 from typing import Callable
 
 from ..engine.skipset import SkipSet
-from .candidates import searchable_layers
+from .candidates import from_slots, searchable_slots
 
 Slot = tuple[str, int]
 SHORTLIST = 6          # candidates tried per construction step
 
 
-def slots_of(n_layers: int) -> list[Slot]:
-    """Every searchable sublayer as (kind, layer), in layer order."""
-    return [(kind, i) for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
-
-
-def as_set(chosen, name: str = "") -> SkipSet:
-    return SkipSet(frozenset(i for k, i in chosen if k == "attn"),
-                   frozenset(i for k, i in chosen if k == "mlp"), name=name)
-
-
 def greedy_set(n_layers: int, count: int, matchness: Callable[[SkipSet], float],
-               evaluated: Callable[[], int], budget: int, shortlist: int = SHORTLIST,
-               eps: float = 1e-9) -> tuple[list[Slot], dict[Slot, float]]:
+               evaluated: Callable[[], int], budget: int, shortlist: int = SHORTLIST
+               ) -> tuple[list[Slot], dict[Slot, float]]:
     """The greedy set of exactly `count` sublayers and each sublayer's importance (alone).
 
     matchness(set) scores a set (the caller memoises); evaluated() counts distinct sets scored so
-    far (the budget is in those units); eps: the least gain a swap must bring (one matched token).
+    far (the budget is in those units). Matchness counts matched tokens, so any gain is at least one.
     """
-    slots = slots_of(n_layers)
+    slots = searchable_slots(n_layers)
     if not 1 <= count <= len(slots):
         raise ValueError(f"cannot skip {count} of {len(slots)} searchable sublayers")
-    alone = {s: matchness(as_set([s])) for s in slots}
+    alone = {s: matchness(from_slots([s])) for s in slots}
     rank = sorted(slots, key=lambda s: (-alone[s], slots.index(s)))   # least important first
 
-    def best_of(pool, base):
-        return max(pool, key=lambda s: (matchness(as_set(base + [s])), -rank.index(s)))
-
     chosen: list[Slot] = []
+    current = 0.0
     for _ in range(count):
-        chosen.append(best_of([s for s in rank if s not in chosen][:shortlist], chosen))
+        pool = [s for s in rank if s not in chosen][:shortlist]      # in rank order: ties keep the first
+        scored = [(matchness(from_slots(chosen + [s])), -k, s) for k, s in enumerate(pool)]
+        current, _, best = max(scored)
+        chosen.append(best)
 
-    current = matchness(as_set(chosen))
     improved = True
     while improved and evaluated() < budget:
         improved = False
@@ -66,8 +56,8 @@ def greedy_set(n_layers: int, count: int, matchness: Callable[[SkipSet], float],
                 if evaluated() >= budget:
                     return chosen, alone
                 trial = [y if s == x else s for s in chosen]
-                m = matchness(as_set(trial))
-                if m > current + eps:
+                m = matchness(from_slots(trial))
+                if m > current:
                     chosen, current, improved = trial, m, True
                     break
             if improved:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from ..engine.backbone import Backbone
 from ..engine.skipset import SkipSet
 from .candidates import (check_initial, default_initial, fixed_size_candidates, initial_with, random_candidates,
-                         ratio_count, structured_candidates, suggest_set, trial_params)
-from .greedy import SHORTLIST, greedy_set, slots_of
+                         ratio_count, searchable_slots, structured_candidates, suggest_set, trial_params)
+from .greedy import SHORTLIST, greedy_set
 from .latency import LatencyModel
 from .matchness import MatchData, matchness, merge
 
@@ -197,7 +197,7 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
 def _greedy(scorer: _Scorer, L: int, count: int, budget: int, name: str, progress: bool) -> SearchResult:
     from tqdm.auto import tqdm
 
-    least = len(slots_of(L)) + (count - 1) * SHORTLIST    # the construction's passes at most
+    least = len(searchable_slots(L)) + (count - 1) * SHORTLIST    # the construction's passes at most
     bar = tqdm(total=max(budget, least), desc=f"greedy {name}".rstrip(), disable=not progress)
 
     def score(skip: SkipSet) -> float:
