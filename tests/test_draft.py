@@ -87,6 +87,20 @@ def test_int8_draft_tracks_the_fp32_model_and_costs_little_memory(tiny):
     assert draft.label == "int8 draft"
 
 
+def test_int8_codes_are_torchs_per_channel_quantisation():
+    """The fast codes equal torch.quantize_per_channel's, ties (x.5) included, and pack into the kernel."""
+    from ssd_core.engine.draft import _int8_codes, _int8_linear, _int8_pack
+    gen = torch.Generator().manual_seed(0)
+    ties = (torch.arange(-254, 255, dtype=torch.float32) / 4).repeat(3, 1)   # scale 0.5: codes k/2, half ties
+    for w in (torch.randn(64, 96, generator=gen), torch.randn(7, 509, generator=gen) * 1e-3, ties):
+        codes, scale = _int8_codes(w)
+        ref = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        assert torch.equal(codes, ref.int_repr())
+        x = torch.randn(2, w.shape[1], generator=gen)
+        ref_out = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(ref, None), False)
+        assert torch.equal(_int8_linear(x, _int8_pack(w)), ref_out)
+
+
 def test_unknown_draft_kind_is_refused(tiny):
     with pytest.raises(ValueError, match="draft kind"):
         DraftWeights(tiny, "int3")

@@ -24,6 +24,7 @@ and the acceptance rule stays exact because q is what the draft really sampled f
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -33,14 +34,26 @@ DRAFT_KINDS = ("int8", "fp32")
 DEFAULT_DRAFT = "int8"
 
 
-def _int8_pack(w: torch.Tensor, bias: torch.Tensor | None = None):
-    """Per-output-channel symmetric int8 weights, prepacked for the dynamic-quantisation kernel."""
+def _int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8 codes and their float64 scales (scale = max|w| / 127).
+
+    The codes are those `torch.quantize_per_channel` makes (w times the float32 reciprocal of the
+    scale, rounded half to even; a test holds them equal), computed with plain tensor ops in a
+    quarter of its time: on the 135M model the int8 draft is built at start-up.
+    """
     w = w.detach().float().contiguous()
     scale = (w.abs().amax(1) / 127.0).clamp(min=1e-12).double()
+    codes = torch.round(w * (1.0 / scale).float()[:, None]).clamp_(-128, 127).to(torch.int8)
+    return codes, scale
+
+
+def _int8_pack(w: torch.Tensor, bias: torch.Tensor | None = None):
+    """Per-output-channel symmetric int8 weights, prepacked for the dynamic-quantisation kernel."""
+    codes, scale = _int8_codes(w)
     zero = torch.zeros(w.shape[0], dtype=torch.long, device=w.device)
     with warnings.catch_warnings():     # quantised tensors are deprecated in favour of torchao (torch is pinned)
         warnings.simplefilter("ignore", UserWarning)
-        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        q = torch._make_per_channel_quantized_tensor(codes, scale, zero, 0)
     return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
 
 
@@ -49,10 +62,17 @@ def _int8_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 
 def _int8_rounded(w: torch.Tensor) -> torch.Tensor:
-    """The same per-output-channel symmetric int8 rounding, dequantised to w's dtype (any device)."""
-    wf = w.detach().float()
-    scale = (wf.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-12)
-    return (torch.round(wf / scale).clamp_(-128, 127) * scale).to(w.dtype).contiguous()
+    """The same int8 codes, dequantised to w's dtype (any device)."""
+    codes, scale = _int8_codes(w)
+    return (codes.float() * scale.float()[:, None]).to(w.dtype).contiguous()
+
+
+def _pack_all(jobs: list[tuple], kernel: bool) -> list:
+    """Pack (weight, bias) pairs; the CPU prepack runs in two threads (torch ops release the GIL)."""
+    if not kernel:
+        return [_int8_rounded(w) for w, _ in jobs]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda job: _int8_pack(*job), jobs))
 
 
 class _DraftLayer:
@@ -61,14 +81,16 @@ class _DraftLayer:
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
 
-    def __init__(self, layer, kernel: bool = True):
+    def __init__(self, layer, packed: list, kernel: bool = True):
         self.ln1, self.ln2 = layer.ln1, layer.ln2
-        pack = _int8_pack if kernel else (lambda w, b=None: _int8_rounded(w))
-        self.wqkv = pack(layer.wqkv, layer.bqkv)
+        self.wqkv, self.wo, self.wgu, self.wdown = packed
         self.bqkv = None if kernel else layer.bqkv     # CPU: inside the packed weights
-        self.wo = pack(layer.wo)
-        self.wgu = pack(layer.wgu)
-        self.wdown = pack(layer.wdown)
+
+    @staticmethod
+    def jobs(layer, kernel: bool) -> list[tuple]:
+        """The (weight, bias) pairs to pack, in the order __init__ takes them."""
+        return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None), (layer.wgu, None),
+                (layer.wdown, None)]
 
 
 @dataclass(frozen=True)
@@ -113,14 +135,13 @@ class DraftWeights:
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= backbone.vocab:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
-        if kind == "int8" and self.kernel:
-            self.layers = [_DraftLayer(layer) for layer in backbone.layers]
-            self.linear = _int8_linear
-            self.head = DraftHead(_int8_pack(head_w), ids, backbone.vocab, _int8_linear)
-        elif kind == "int8":
-            self.layers = [_DraftLayer(layer, kernel=False) for layer in backbone.layers]
-            self.linear = F.linear
-            self.head = DraftHead(_int8_rounded(head_w), ids, backbone.vocab, F.linear)
+        if kind == "int8":              # the head first: the largest matrix, so the two threads end together
+            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in _DraftLayer.jobs(layer, self.kernel)]
+            packed = _pack_all(jobs, self.kernel)
+            self.layers = [_DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i], self.kernel)
+                           for i, layer in enumerate(backbone.layers)]
+            self.linear = _int8_linear if self.kernel else F.linear
+            self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
         else:
             self.layers = backbone.layers
             self.linear = F.linear
