@@ -18,12 +18,18 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
-def real_model(tmp_path_factory):
+def model_cache(tmp_path_factory):
+    """The empty model cache `real_model` converts the GGUF into (and later loads can read)."""
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def real_model(model_cache):
     """The embedded default model (marked tests only), converted from the GGUF into an empty cache:
     what a new machine does, so a warm cache in the developer's home cannot hide a broken conversion."""
     from ssd_core.engine.loading import load_backbone
     mp = pytest.MonkeyPatch()
-    mp.setenv("KNN_SSD_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+    mp.setenv("KNN_SSD_CACHE", str(model_cache))
     try:
         return load_backbone(threads=2)
     finally:

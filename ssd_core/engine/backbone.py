@@ -60,24 +60,58 @@ class _Layer:
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
 
-    def __init__(self, hf_layer):
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.ln1 = hf_layer.input_layernorm.weight.detach()
-        self.ln2 = hf_layer.post_attention_layernorm.weight.detach()
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.wqkv = torch.cat([p.weight.detach() for p in projs]).contiguous()
-        biases = [p.bias for p in projs]
-        if any(b is not None for b in biases):
+    def __init__(self, ln1, ln2, q, k, v, o, gate, up, down, qkv_bias=None):
+        """Plain tensors; qkv_bias: the (q, k, v) biases, None where a projection has none."""
+        self.ln1, self.ln2 = ln1.detach(), ln2.detach()
+        self.wqkv = torch.cat([q.detach(), k.detach(), v.detach()]).contiguous()
+        if qkv_bias is not None and any(b is not None for b in qkv_bias):
             self.bqkv = torch.cat([b.detach() if b is not None else
-                                   torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
-                                   for b, p in zip(biases, projs)])
+                                   torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                                   for b, w in zip(qkv_bias, (q, k, v))])
         else:
             self.bqkv = None
+        self.wo = o.detach()
+        self.wgu = torch.cat([gate.detach(), up.detach()]).contiguous()
+        self.wdown = down.detach()
+
+    @classmethod
+    def from_hf(cls, hf_layer) -> "_Layer":
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
         if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or mlp.gate_proj.bias is not None:
             raise UnsupportedModelError("o_proj / MLP biases are not supported")
-        self.wo = attn.o_proj.weight.detach()
-        self.wgu = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]).contiguous()
-        self.wdown = mlp.down_proj.weight.detach()
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        return cls(hf_layer.input_layernorm.weight, hf_layer.post_attention_layernorm.weight,
+                   *(p.weight for p in projs), attn.o_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                   mlp.down_proj.weight, qkv_bias=[p.bias for p in projs])
+
+    @classmethod
+    def from_state(cls, state: dict, i: int) -> "_Layer":
+        """Layer i of a transformers-named Llama state dict (no biases)."""
+        w = lambda name: state[f"model.layers.{i}.{name}.weight"]     # noqa: E731
+        return cls(w("input_layernorm"), w("post_attention_layernorm"), w("self_attn.q_proj"),
+                   w("self_attn.k_proj"), w("self_attn.v_proj"), w("self_attn.o_proj"), w("mlp.gate_proj"),
+                   w("mlp.up_proj"), w("mlp.down_proj"))
+
+
+def default_rope(theta: float, head_dim: int, positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin tables (positions, head_dim) of Llama's unscaled rotary embedding, computed as
+    transformers' "default" rope does (float32 inverse frequencies times positions)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = inv[:, None] @ torch.arange(positions, device=device).float()[None, :]
+    emb = torch.cat((freqs.T, freqs.T), -1)
+    return emb.cos(), emb.sin()
+
+
+def plain_llama_rope_theta(config: dict) -> float | None:
+    """rope θ when a config.json describes a plain Llama (no biases, SiLU, unscaled rope), else None."""
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling")
+    if (config.get("model_type") != "llama" or config.get("hidden_act", "silu") not in ("silu", "swish")
+            or config.get("attention_bias") or config.get("mlp_bias") or scaling
+            or rope.get("rope_type", "default") != "default"):
+        return None
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    return float(theta) if theta else None
 
 
 _REQUIRED = {
@@ -116,45 +150,83 @@ class Backbone:
 
     def __init__(self, hf_model, tokenizer, name: str, max_positions: int = 8192):
         check_architecture(hf_model)
+        inner = hf_model.model
         cfg = hf_model.config
+        embed = inner.embed_tokens.weight.detach()
+        n_pos = min(int(getattr(cfg, "max_position_embeddings", max_positions) or max_positions), max_positions)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        with torch.no_grad():
+            pos = torch.arange(n_pos, device=embed.device).unsqueeze(0)
+            cos, sin = inner.rotary_emb(torch.zeros(1, 1, head_dim, dtype=embed.dtype, device=embed.device), pos)
+        self._setup(cfg.to_dict(), tokenizer, name, embed,
+                    hf_model.lm_head.weight.detach(), inner.norm.weight.detach(),
+                    [_Layer.from_hf(layer) for layer in inner.layers], cos[0], sin[0])
+        self._hf_model, self._hf_loader = hf_model, None
+
+    @classmethod
+    def from_llama_state(cls, state: dict, config: dict, tokenizer, name: str, hf_loader,
+                         max_positions: int = 8192) -> "Backbone":
+        """A Backbone straight from a plain Llama's state dict (transformers' names) and config.json.
+
+        It skips transformers' model class, whose import alone is ~3 s of a ~12 s warm start-up. The
+        forward is ours either way; `hf_model` (the reference for lossless checks) is then built by
+        `hf_loader()` on first use. A test holds both ways to the same tensors.
+        """
+        theta = plain_llama_rope_theta(config)
+        if theta is None:
+            raise UnsupportedModelError("not a plain Llama config (biases, scaled rope or another model type)")
+        missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in state]
+        if missing:
+            raise UnsupportedModelError("missing " + ", ".join(missing))
+        embed = state["model.embed_tokens.weight"]
+        n_pos = min(int(config.get("max_position_embeddings") or max_positions), max_positions)
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        cos, sin = default_rope(theta, head_dim, n_pos, embed.device)
+        self = cls.__new__(cls)
+        self._setup(config, tokenizer, name, embed, state.get("lm_head.weight", embed), state["model.norm.weight"],
+                    [_Layer.from_state(state, i) for i in range(config["num_hidden_layers"])], cos, sin)
+        self._hf_model, self._hf_loader = None, hf_loader
+        return self
+
+    def _setup(self, cfg: dict, tokenizer, name: str, embed, lm_head, norm, layers: list, cos, sin) -> None:
         self.name = name
         self.tokenizer = tokenizer
-        self.config = cfg
-        inner = hf_model.model
-        self.n_layers = len(inner.layers)
-        self.hidden = cfg.hidden_size
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.n_heads
+        self.n_layers = len(layers)
+        self.hidden = cfg["hidden_size"]
+        self.n_heads = cfg["num_attention_heads"]
+        self.n_kv = cfg.get("num_key_value_heads") or self.n_heads
+        self.head_dim = cfg.get("head_dim") or self.hidden // self.n_heads
         self.group = self.n_heads // self.n_kv
-        self.eps = float(cfg.rms_norm_eps)
-        self.dtype = inner.embed_tokens.weight.dtype
-        self.device = inner.embed_tokens.weight.device     # every tensor the core makes goes here
-        self.embed = inner.embed_tokens.weight.detach()
-        self.lm_head = hf_model.lm_head.weight.detach()
-        self.norm = inner.norm.weight.detach()
+        self.eps = float(cfg["rms_norm_eps"])
+        self.dtype = embed.dtype
+        self.device = embed.device     # every tensor the core makes goes here
+        self.embed = embed
+        self.lm_head = lm_head
+        self.norm = norm
         self.vocab = self.lm_head.shape[0]
-        self.layers = [_Layer(layer) for layer in inner.layers]
-        self.max_positions = min(int(getattr(cfg, "max_position_embeddings", max_positions) or max_positions),
-                                 max_positions)
-        with torch.no_grad():
-            pos = torch.arange(self.max_positions, device=self.device).unsqueeze(0)
-            probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
-            cos, sin = inner.rotary_emb(probe, pos)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        self.layers = layers
+        self.max_positions = cos.shape[0]
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.attn_params = self.layers[0].wqkv.numel() + self.layers[0].wo.numel()
         self.mlp_params = self.layers[0].wgu.numel() + self.layers[0].wdown.numel()
         tied = self.lm_head.data_ptr() == self.embed.data_ptr()
         self.other_params = self.embed.numel() + (0 if tied else self.lm_head.numel())
-        eos = [getattr(tokenizer, "eos_token_id", None), getattr(cfg, "eos_token_id", None)]
+        eos = [getattr(tokenizer, "eos_token_id", None), cfg.get("eos_token_id")]
         self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
                                  if i is not None)
-        self.hf_model = hf_model
         self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
         self._drafts: dict = {}
         self._drafts_lock = threading.Lock()
+
+    @property
+    def hf_model(self):
+        """transformers' model of the same weights: the reference the lossless checks compare with."""
+        with self._drafts_lock:
+            if self._hf_model is None:
+                self._hf_model = self._hf_loader()
+            return self._hf_model
 
     def set_draft_head(self, ids) -> None:
         """Install the small draft head's token ids (from a calibration); None → the full vocabulary."""
@@ -172,7 +244,7 @@ class Backbone:
         if kind == "fp32" and not head:
             return None
         key = (kind, head)
-        with self._drafts_lock:                 # built once (≈ 2 s for int8), shared by all sessions
+        with self._drafts_lock:                 # built once (≈ 0.6 s for int8 on 2 cores), shared by all sessions
             if key not in self._drafts:
                 self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None)
             return self._drafts[key]

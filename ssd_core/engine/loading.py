@@ -1,19 +1,23 @@
 """Model loading: the embedded GGUF, a .gguf path, a local HF folder or an HF id → a Backbone.
 
-A GGUF is dequantised once (numpy, seconds) and kept as plain safetensors in the user cache, so a
-restart loads in about a second.
+A GGUF is dequantised once (numpy, seconds) and kept as plain safetensors in the user cache. A
+restart reads that cache straight into a Backbone (`_load_cached`: safetensors + the fast tokenizer,
+without importing transformers' model classes) in about a second; transformers' model of the same
+weights, the reference for lossless checks, is built only when something asks for it.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from .backbone import Backbone, UnsupportedModelError
+from .backbone import Backbone, UnsupportedModelError, plain_llama_rope_theta
 from .device import resolve_device
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,40 @@ def model_cache_ready(spec: str | None = None, dtype=torch.float32) -> bool:
         return path.suffix == ".gguf" and (_model_cache_folder(path, dtype) / "config.json").exists()
     except (OSError, FileNotFoundError):
         return False
+
+
+_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_cached(folder: Path, dtype, name: str, device, max_positions: int) -> Backbone | None:
+    """The warm path: a cached plain Llama read straight into a Backbone, without transformers' model
+    class (see `Backbone.from_llama_state`). None when there is no such cache: load the usual way."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if plain_llama_rope_theta(config) is None or tokenizer_class not in _FAST_TOKENIZERS:
+        return None
+    try:
+        from safetensors.torch import load_file
+        from transformers import PreTrainedTokenizerFast
+        tok = PreTrainedTokenizerFast.from_pretrained(folder)
+        state = {k: v.to(dtype) for k, v in load_file(folder / "model.safetensors", device=str(device)).items()}
+        bb = Backbone.from_llama_state(state, config, tok, name, partial(_hf_from_folder, folder, dtype, device),
+                                       max_positions)
+    except Exception as exc:     # a half-written or foreign cache: the usual path rebuilds it
+        log.warning("model cache %s not read directly (%s); loading it with transformers", folder, exc)
+        return None
+    log.info("model from cache %s", folder)
+    return bb
+
+
+def _hf_from_folder(folder: Path, dtype, device):
+    """transformers' model of a cached folder (a Backbone's reference, built when first asked for)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return model if device.type == "cpu" else model.to(device)
 
 
 def _load_gguf(path: Path, dtype):
@@ -211,24 +249,24 @@ def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
     device: "cpu", "cuda" or "auto" (CUDA when available); the weights are moved there once, and the
     Backbone creates every tensor of a decode there.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = resolve_device(device)         # before any loading: a bad --device fails fast
     if threads:
         torch.set_num_threads(int(threads))
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-    if spec in (None, "", DEFAULT_MODEL):
-        model, tok = _load_gguf(default_gguf_path(), dtype)
-        name = "SmolLM2-135M-Instruct"
-    elif spec.endswith(".gguf"):
-        path = Path(spec)
+    if spec in (None, "", DEFAULT_MODEL) or spec.endswith(".gguf"):
+        default = spec in (None, "", DEFAULT_MODEL)
+        path = default_gguf_path() if default else Path(spec)
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {spec}")
+        name = "SmolLM2-135M-Instruct" if default else path.stem
+        bb = _load_cached(_model_cache_folder(path, dtype), dtype, name, device, max_positions)
+        if bb is not None:
+            return bb
         model, tok = _load_gguf(path, dtype)
-        name = path.stem
     else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
         name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
