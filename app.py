@@ -265,8 +265,11 @@ def main(argv=None):
           f"{time.perf_counter() - T_LAUNCH:.1f} s (imports {imports_s:.1f} s, model {t['model_s']} s, "
           f"calibration + warm-up {t['ready_s'] - t['model_s']:.1f} s; the UMAP domain map loads in the "
           f"background); calibration: {where}", flush=True)
-    demo.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE).launch(css=_css(), head=TOOLTIP_JS, theme=THEME,
-                                                                      max_file_size="1mb", favicon_path=FAVICON)
+    demo.queue(default_concurrency_limit=4, max_size=QUEUE_SIZE).launch(
+        css=_css(), head=TOOLTIP_JS, theme=THEME, max_file_size="1mb", favicon_path=FAVICON,
+        prevent_thread_lock=True)
+    studio.start_map()              # the UMAP map compiles in the background once the server is up
+    demo.block_thread()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class Studio:
     anchors: list = field(default_factory=list)
     map_error: str = ""
     timings: dict = field(default_factory=dict)
+    start_map: Callable[[], None] = lambda: None    # set by load_studio(map_in_background=True)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self, cal, domain_map=None, map_error: str = "") -> None:
@@ -110,8 +112,10 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
 
     device: where a model loaded here runs (auto|cpu|cuda, or a torch.device); a given backbone stays put.
 
-    map_in_background: return before the map is ready (umap's first import compiles with numba for
-    ~15 s on two cores); a thread installs it when done and the map panel says "loading" until then.
+    map_in_background: return without the map; `studio.start_map()` then loads it in a thread that
+    installs it when done (the map panel says "loading" until then). umap's first import compiles with
+    numba for ~15 s on two cores, so app.py starts it once the server is up: beside the UI build it
+    made the start-up slower.
     """
     t0 = time.perf_counter()
     folder = Path(calibration) if calibration else cal_io.default_folder(spec)
@@ -142,7 +146,7 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
 
     if cal is not None:
         if map_in_background:
-            threading.Thread(target=prepare_map, name="domain-map", daemon=True).start()
+            studio.start_map = threading.Thread(target=prepare_map, name="domain-map", daemon=True).start
         else:
             prepare_map()
     return studio
