@@ -34,7 +34,7 @@ def assert_same_backbone(a: Backbone, b: Backbone) -> None:
 @pytest.fixture
 def cached_tiny(tiny, tmp_path):
     folder = tmp_path / "tiny-cache"
-    loading._save_plain(tiny.hf_model, tiny.tokenizer, folder)
+    loading._save_plain(tiny.hf_model.state_dict(), tiny.hf_model.config, tiny.tokenizer, folder)
     return folder
 
 
@@ -85,13 +85,34 @@ def test_a_broken_cache_falls_back_with_a_warning(cached_tiny, caplog):
 
 @pytest.mark.real
 def test_warm_default_model_equals_the_converted_one(real_model, model_cache, monkeypatch):
-    """The second load of the embedded model (from the cache the first one wrote) skips transformers'
-    model class and gives the same tensors, tokens and chat template as the converted model."""
+    """The second load of the embedded model (from the cache the first one wrote) gives the same
+    tensors, tokens and chat template as the conversion, and both equal transformers' own model."""
     monkeypatch.setenv("KNN_SSD_CACHE", str(model_cache))
     warm = loading.load_backbone(threads=2)
-    assert warm._hf_model is None and real_model._hf_model is not None
+    assert warm._hf_model is None                       # transformers' model not built
     assert_same_backbone(warm, real_model)
+    assert_same_backbone(Backbone(warm.hf_model, warm.tokenizer, name="from the cache"), warm)
+    assert_same_backbone(Backbone(real_model.hf_model, real_model.tokenizer, name="from the GGUF"), warm)
     for text in ["Translate German to English: Der Zug fährt um acht Uhr ab.", "def f(x):\n    return x ** 2"]:
         assert warm.encode(text) == real_model.encode(text)
         ids = warm.encode(text).ids
         assert warm.decode(ids) == real_model.decode(ids)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_a_cold_start_parses_the_gguf_once(tmp_path, monkeypatch):
+    """The tokenizer (transformers) and the weights (ours) come from one parse of the GGUF's metadata."""
+    import gguf
+    built = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    bb = loading.load_backbone(threads=2)
+    assert len(built) == 1 and bb.n_layers == 30
+    assert (next(tmp_path.iterdir()) / "model.safetensors").exists()

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -88,40 +89,86 @@ def _load_cached(folder: Path, dtype, name: str, device, max_positions: int) -> 
 def _hf_from_folder(folder: Path, dtype, device):
     """transformers' model of a cached folder (a Backbone's reference, built when first asked for)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return _placed(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), device)
+
+
+def _hf_from_state(state: dict, config):
+    """transformers' Llama around tensors we already hold (no copy, no random init)."""
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise UnsupportedModelError(f"GGUF tensors do not fit Llama: missing {missing}, extra {unexpected}")
+    with torch.device(model.model.embed_tokens.weight.device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)   # buffers, not weights
+    return model.eval()
+
+
+def _placed(model, device):
+    model.eval()
     return model if device.type == "cpu" else model.to(device)
 
 
-def _load_gguf(path: Path, dtype):
+@contextmanager
+def _reader_shared(reader, path: Path):
+    """While transformers reads the tokenizer out of `path`, it gets the GGUFReader we already built:
+    parsing the file's metadata (a 49k-token vocabulary) takes ~4 s on two cores, once is enough.
+    transformers imports `GGUFReader` from `gguf` when it loads; should that change, it parses again."""
+    import gguf
+    original = gguf.GGUFReader
+
+    def reader_for(p, *args, **kwargs):
+        return reader if not args and not kwargs and Path(p) == path else original(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader_for
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _load_gguf(path: Path, dtype, name: str, device, max_positions: int) -> Backbone:
     """Dequantise a GGUF once; keep an fp safetensors copy in the user cache for fast restarts."""
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _model_cache_folder(path, dtype)
-    if (folder / "config.json").exists():
+    if (folder / "config.json").exists():      # a cache `_load_cached` does not read (another architecture)
         try:
-            tok = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-            log.info("model from cache %s", folder)
-            return model, tok
+            return Backbone(_placed(model, device), AutoTokenizer.from_pretrained(folder), name, max_positions)
         except Exception as exc:  # a half-written cache: rebuild it
             log.warning("ignoring broken model cache %s: %s", folder, exc)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    reader = GGUFReader(str(path))
+    with _reader_shared(reader, path):
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     try:
-        model = read_gguf_llama(path, dtype)
+        state, config = read_gguf_llama(reader, dtype)
     except UnsupportedModelError as exc:   # not a plain Llama GGUF: transformers' (slower) converter
         log.info("%s; using transformers' GGUF loader", exc)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        state, config = model.state_dict(), model.config
+    else:
+        model = None
     if os.environ.get("KNN_SSD_NO_MODEL_CACHE") != "1":
         try:
             tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-            _save_plain(model, tok, tmp)
+            _save_plain(state, config, tok, tmp)
             if folder.exists():
                 import shutil
                 shutil.rmtree(folder)
             tmp.rename(folder)             # atomic: a reader sees the whole cache or none
         except (OSError, ValueError) as exc:
             log.warning("could not write model cache %s: %s", folder, exc)
-    return model, tok
+    if model is not None:
+        return Backbone(_placed(model, device), tok, name, max_positions)
+    state = {k: v.to(device) for k, v in state.items()}
+    return Backbone.from_llama_state(state, config.to_dict(), tok, name, partial(_hf_from_state, state, config),
+                                     max_positions)
 
 
 # GGUF tensor names → transformers' Llama names ("blk.N." → "model.layers.N.")
@@ -147,16 +194,15 @@ def _unpermute_rope(w, heads: int):
     return w.reshape(heads, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_llama(path: Path, dtype=torch.float32):
-    """Dequantise a Llama-architecture GGUF with numpy (seconds) into a transformers Llama.
+def read_gguf_llama(reader, dtype=torch.float32):
+    """Dequantise a Llama-architecture GGUF (a `gguf.GGUFReader`) with numpy, in seconds: its state
+    dict in transformers' names and its `LlamaConfig`.
 
     transformers' own GGUF path converts tensor by tensor through its generic machinery and takes
     about a minute on two cores; reading the blocks with the `gguf` package takes a few seconds.
     """
-    from gguf import GGUFReader, dequantize
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    reader = GGUFReader(str(path))
+    from gguf import dequantize
+    from transformers import LlamaConfig
 
     def field(name, default=None):
         f = reader.fields.get(name)
@@ -202,31 +248,26 @@ def read_gguf_llama(path: Path, dtype=torch.float32):
         elif rest == "attn_k.weight":
             w = _unpermute_rope(w, kv_heads)
         state[hf] = torch.from_numpy(w.copy()).to(dtype)
-    with torch.device("meta"):              # no random init of weights we overwrite at once
-        model = LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise UnsupportedModelError(f"GGUF tensors do not fit Llama: missing {missing}, extra {unexpected}")
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)   # buffers, not weights
-    return model.to(dtype).eval()
+    per_layer = [n for n in _GGUF_NAMES.values() if not n.startswith(("model.", "lm_head"))]
+    wanted = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in per_layer}
+    if wanted - state.keys():
+        raise UnsupportedModelError(f"GGUF tensors do not fit Llama: missing {sorted(wanted - state.keys())[:4]}")
+    return state, cfg
 
 
-def _save_plain(model, tok, folder: Path) -> None:
+def _save_plain(state: dict, config, tok, folder: Path) -> None:
     """Write a dequantised model as plain safetensors (save_pretrained refuses GGUF models)."""
     import copy
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = copy.deepcopy(model.config)
+    cfg = copy.deepcopy(config)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     cfg.save_pretrained(folder)
-    state = model.state_dict()
     if getattr(cfg, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     tok.save_pretrained(folder)
@@ -261,16 +302,10 @@ def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {spec}")
         name = "SmolLM2-135M-Instruct" if default else path.stem
-        bb = _load_cached(_model_cache_folder(path, dtype), dtype, name, device, max_positions)
-        if bb is not None:
-            return bb
-        model, tok = _load_gguf(path, dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(spec)
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
-    model.eval()
-    if device.type != "cpu":
-        model.to(device)
-    return Backbone(model, tok, name=name, max_positions=max_positions)
+        return (_load_cached(_model_cache_folder(path, dtype), dtype, name, device, max_positions)
+                or _load_gguf(path, dtype, name, device, max_positions))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(spec)
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
+    return Backbone(_placed(model, device), tok, name=name, max_positions=max_positions)
