@@ -102,6 +102,12 @@ def default_rope(theta: float, head_dim: int, positions: int, device=None) -> tu
     return emb.cos(), emb.sin()
 
 
+def _rope_shape(config: dict, max_positions: int) -> tuple[int, int]:
+    """(positions, head_dim) of the rope tables a config asks for, positions capped at max_positions."""
+    positions = min(int(config.get("max_position_embeddings") or max_positions), max_positions)
+    return positions, config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def plain_llama_rope_theta(config: dict) -> float | None:
     """rope θ when a config.json describes a plain Llama (no biases, SiLU, unscaled rope), else None."""
     rope = config.get("rope_parameters") or {}
@@ -151,15 +157,13 @@ class Backbone:
     def __init__(self, hf_model, tokenizer, name: str, max_positions: int = 8192):
         check_architecture(hf_model)
         inner = hf_model.model
-        cfg = hf_model.config
+        cfg = hf_model.config.to_dict()
         embed = inner.embed_tokens.weight.detach()
-        n_pos = min(int(getattr(cfg, "max_position_embeddings", max_positions) or max_positions), max_positions)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_pos, head_dim = _rope_shape(cfg, max_positions)
         with torch.no_grad():
             pos = torch.arange(n_pos, device=embed.device).unsqueeze(0)
             cos, sin = inner.rotary_emb(torch.zeros(1, 1, head_dim, dtype=embed.dtype, device=embed.device), pos)
-        self._setup(cfg.to_dict(), tokenizer, name, embed,
-                    hf_model.lm_head.weight.detach(), inner.norm.weight.detach(),
+        self._setup(cfg, tokenizer, name, embed, hf_model.lm_head.weight.detach(), inner.norm.weight.detach(),
                     [_Layer.from_hf(layer) for layer in inner.layers], cos[0], sin[0])
         self._hf_model, self._hf_loader = hf_model, None
 
@@ -179,9 +183,8 @@ class Backbone:
         if missing:
             raise UnsupportedModelError("missing " + ", ".join(missing))
         embed = state["model.embed_tokens.weight"]
-        n_pos = min(int(config.get("max_position_embeddings") or max_positions), max_positions)
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        cos, sin = default_rope(theta, head_dim, n_pos, embed.device)
+        positions, head_dim = _rope_shape(config, max_positions)
+        cos, sin = default_rope(theta, head_dim, positions, embed.device)
         self = cls.__new__(cls)
         self._setup(config, tokenizer, name, embed, state.get("lm_head.weight", embed), state["model.norm.weight"],
                     [_Layer.from_state(state, i) for i in range(config["num_hidden_layers"])], cos, sin)
@@ -195,7 +198,7 @@ class Backbone:
         self.hidden = cfg["hidden_size"]
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg.get("num_key_value_heads") or self.n_heads
-        self.head_dim = cfg.get("head_dim") or self.hidden // self.n_heads
+        self.head_dim = cos.shape[-1]
         self.group = self.n_heads // self.n_kv
         self.eps = float(cfg["rms_norm_eps"])
         self.dtype = embed.dtype
@@ -218,12 +221,12 @@ class Backbone:
                                  if i is not None)
         self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
         self._drafts: dict = {}
-        self._drafts_lock = threading.Lock()
+        self._lock = threading.Lock()   # guards the lazily built drafts and reference model
 
     @property
     def hf_model(self):
         """transformers' model of the same weights: the reference the lossless checks compare with."""
-        with self._drafts_lock:
+        with self._lock:
             if self._hf_model is None:
                 self._hf_model = self._hf_loader()
             return self._hf_model
@@ -231,7 +234,7 @@ class Backbone:
     def set_draft_head(self, ids) -> None:
         """Install the small draft head's token ids (from a calibration); None → the full vocabulary."""
         ids = None if ids is None else tuple(sorted({int(i) for i in ids}))
-        with self._drafts_lock:
+        with self._lock:
             if ids != self.draft_head_ids:
                 self.draft_head_ids = ids
                 self._drafts = {k: v for k, v in self._drafts.items() if not k[1]}
@@ -244,7 +247,7 @@ class Backbone:
         if kind == "fp32" and not head:
             return None
         key = (kind, head)
-        with self._drafts_lock:                 # built once (≈ 0.6 s for int8 on 2 cores), shared by all sessions
+        with self._lock:                 # built once (≈ 0.6 s for int8 on 2 cores), shared by all sessions
             if key not in self._drafts:
                 self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None)
             return self._drafts[key]
