@@ -165,12 +165,21 @@ def test_benchmark_view_without_and_with_results(tmp_path):
 
 
 # --- handlers ------------------------------------------------------------------------------------------
+def test_a_one_token_run_still_draws_both_figures(studio):
+    outs = run(handlers.generate, studio, "KNN-SSD", max_new=1)      # ends at the prefill's token
+    assert len(column(outs, "domain_plot")) == 1 and len(column(outs, "layer_plot")) == 1
+    assert "done" in column(outs, "tokens")[-1]
+
+
 def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(studio, tiny):
     outs = run(handlers.generate, studio, "KNN-SSD")
     tokens = column(outs, "tokens")
     assert 'class="tok ver"' in tokens[0]            # the prefill's token is the first thing shown
     assert len(tokens) >= 4
     assert len(column(outs, "domain_plot")) == 1 and len(column(outs, "layer_plot")) == 1
+    # the first token goes out alone: drawing the figures must not hold back its paint in the browser
+    first = next(o for o in outs if "tokens" in o)
+    assert "domain_plot" not in first and "layer_plot" not in first
     assert len(column(outs, "cost")) == 1 and len(column(outs, "what_if")) == 1
     session = outs[-1]["session"]
     route = session.run.route
@@ -198,7 +207,9 @@ def test_every_strategy_runs_from_the_ui(studio):
 def test_knapspec_resends_the_layer_map_when_its_set_changes(studio):
     outs = run(handlers.generate, studio, "KnapSpec", max_new=96)
     r = outs[-1]["session"].run
-    assert len(column(outs, "layer_plot")) == 1 + len(r.history)   # the empty one at start, then each change
+    # the map drawn with the first step (already showing a set chosen there), then one per later change
+    first_step_changed = r.history[0][0] == 1
+    assert len(column(outs, "layer_plot")) == len(r.history) + (0 if first_step_changed else 1)
     assert r.history[0][1].name == "knapspec"
 
 

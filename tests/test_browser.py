@@ -1,8 +1,11 @@
 """The real app in a real browser: `python app.py` on the embedded model, driven by Debian's Chromium.
 
-Measures what a visitor feels: start-up time and click → first coloured token. The limits are the
-product's (≤ 30 s, ≤ 1 s) on this machine when it is not overloaded by other work; with a load
-average above the core count they are relaxed (and the measured numbers are printed either way).
+Measures what a visitor feels: start-up time and click → first coloured token. The latter is timed
+inside the page, from the click event to the frame that paints the token, so that the test driver's
+own round trips (Python → playwright's driver → the browser, which on 2 busy cores added 0.1–0.5 s)
+do not count; the driver's view is printed next to it. The limits are the product's (≤ 30 s, ≤ 1 s)
+on this machine when it is not overloaded by other work; with a load average above the core count
+they are relaxed (and the measured numbers are printed either way).
 Screenshots go to $KNN_SSD_SCREENSHOT_DIR (default: out/screenshots, git-ignored).
 Without Chromium or playwright the tests skip locally, but FAIL when $CI is set: a CI run that
 silently skipped the browser would report a green build that checked nothing.
@@ -149,20 +152,42 @@ def _shots() -> Path:
     return d
 
 
-def _first_token_after_click(page, prompt: str) -> float:
+# In the page: the Generate click's event time, when a token of this run enters the panel, and the
+# frame after the one that painted it (two animation frames later: an upper bound on the paint).
+WATCH_FIRST_PAINT_JS = """() => {
+    const t = window.__firstToken = {click: null, token: null, paint: null};
+    document.addEventListener('click', e => {
+        if (t.click === null && e.target.closest('#generate-btn')) t.click = e.timeStamp; }, {capture: true});
+    const panel = document.querySelector('#tokens');
+    const watch = new MutationObserver(() => {
+        if (t.token !== null || !panel.querySelector('.tok:not(.earlier-run)')) return;
+        t.token = performance.now();
+        watch.disconnect();
+        requestAnimationFrame(() => requestAnimationFrame(() => { t.paint = performance.now(); }));
+    });
+    watch.observe(panel, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def _first_token_after_click(page, prompt: str) -> tuple[float, float]:
+    """(click → first token painted, timed in the page; the same as the test driver sees it), seconds."""
     page.fill("#prompt textarea", prompt)
     page.wait_for_timeout(300)                     # let the textbox's value reach the app
     # mark what an earlier run left, so that neither its tokens nor its "done" count for this run
     # (the app replaces the panel's content with its first update)
     page.evaluate("document.querySelectorAll('#tokens .tok, #tokens .stream-status')"
                   ".forEach(e => e.classList.add('earlier-run'))")
+    page.evaluate(WATCH_FIRST_PAINT_JS)
     t0 = time.perf_counter()
     page.click("#generate-btn")
     page.wait_for_selector("#tokens .tok:not(.earlier-run)", timeout=30_000)
-    first = time.perf_counter() - t0
+    driver = time.perf_counter() - t0
+    page.wait_for_function("window.__firstToken.paint !== null", timeout=30_000)
+    t = page.evaluate("window.__firstToken")
+    assert t["click"] is not None and t["click"] <= t["token"] <= t["paint"], t
     page.wait_for_function("!document.querySelector('#tokens .earlier-run') && "
                            "document.querySelector('#tokens').innerText.includes('done')", timeout=180_000)
-    return first
+    return (t["paint"] - t["click"]) / 1000, driver
 
 
 def _wait_for_prompt_on_map(page, prompt: str, limit_s: float = 240) -> None:
@@ -207,9 +232,10 @@ def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
     _wait_for_prompt_on_map(page, PROMPT)
     firsts.append(_first_token_after_click(page, PROMPT))     # start-up work done: no first-call costs at all
     limit = 2.0 if _busy() else 1.0
-    print(f"\nclick → first coloured token: {', '.join(f'{t:.2f} s' for t in firsts)} "
-          f"(load average {os.getloadavg()[0]:.1f}; limit {limit} s)")
-    assert min(firsts) <= limit
+    print(f"\nclick → first coloured token painted: {', '.join(f'{t:.2f} s' for t, _ in firsts)} (timed in the "
+          f"page; the test driver saw it after {', '.join(f'{d:.2f} s' for _, d in firsts)}; load average "
+          f"{os.getloadavg()[0]:.1f}; limit {limit} s)")
+    assert min(t for t, _ in firsts) <= limit
     # greedy KNN-SSD with γ = 4 over 96 tokens: drafts are accepted and rejected, the verifier adds its own
     kinds = {k: page.locator(f"#tokens .tok.{k}").count() for k in ("acc", "rej", "ver")}
     assert kinds["acc"] >= 1 and kinds["rej"] >= 1 and kinds["ver"] >= 1 and sum(kinds.values()) >= 8, kinds

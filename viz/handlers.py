@@ -113,9 +113,13 @@ def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain
 
 def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):
     """The Generate view of a run's (event, seconds) stream, live or replayed: tokens, stats, route, map,
-    layer map — each figure sent only when it changes."""
+    layer map — each figure sent only when it changes.
+
+    The first token goes out alone; the two figures follow with the first step. Drawing them (Plotly,
+    a few hundred ms of the browser's main thread on 2 cores) must not hold back the first token's paint."""
     parts: list[str] = []
     token_str, eos = vocab(studio, run)
+    figures_due = False
     for ev, dt in events:
         run.compute_s += dt
         if isinstance(ev, Start):
@@ -127,16 +131,23 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
             shortened = note + ("The prompt was shortened to fit. " if ev.truncated else "")
             yield dict(tokens=tokens_view(studio, parts, f"{verb}…"),
                        stats=stats_view(run, None, shortened), route=route_view(run))
-            yield dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
+            figures_due = True
             continue
         run.steps.append(ev)
         update = {}
-        if ev.skip is not None and (run.skip is None or ev.skip != run.skip):
+        changed = ev.skip is not None and (run.skip is None or ev.skip != run.skip)
+        if changed:
             run.history.append((ev.index + 1, ev.skip))
+        if figures_due:
+            update["domain_plot"] = map_fig(studio, run, session.map_whole)
+        if changed or figures_due:
             update["layer_plot"] = layer_fig(studio, run)
+        figures_due = False
         parts.append(vtok.tokens_html(vtok.step_tokens(ev, token_str, eos)))
         update.update(tokens=tokens_view(studio, parts, f"{verb}…"), stats=stats_view(run, None, note))
         yield update
+    if figures_due:                       # the run ended (or was stopped) before its first step
+        yield dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
     stopped = session.stop
     st = run.stats
     if st is None:
