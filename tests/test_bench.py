@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from ssd_core.policies.registry import parse_strategies
-from ssd_core.tools import bench, reference, specbench
+from ssd_core.tools import bench, reference, specbench, tau_ratio
 from ssd_core.tools.specbench import Question, mix_order
 from ssd_core.tools.stats import aggregate, combine_predictions, median_speedup, speedup
 from viz import bench_figures
@@ -357,3 +357,28 @@ def test_traces_option_writes_a_replayable_trace_per_run(tiny, tiny_calibration,
             choice = a["choices"][0]
             assert trace.text == choice["turns"][0] and trace.stats.new_tokens == choice["new_tokens"][0]
             assert list(trace.stats.accept_lengths) == choice["accept_lengths"][0]
+
+
+def _answers(path, lengths: dict) -> None:
+    with open(path, "w") as f:
+        for qid, steps in lengths.items():
+            f.write(json.dumps({"question_id": qid, "category": "math",
+                                "choices": [{"index": 0, "accept_lengths": [steps]}]}) + "\n")
+
+
+def test_tau_ratio_pools_like_the_bench_and_bootstraps_over_prompts(tmp_path, capsys):
+    _answers(tmp_path / "knn.jsonl", {1: [2, 2], 2: [3, 1], 3: [5]})
+    _answers(tmp_path / "static.jsonl", {1: [1, 1], 2: [2, 2], 4: [9]})    # 3 and 4: not shared, left out
+    r = tau_ratio.tau_ratio(tau_ratio.step_lengths(tmp_path / "knn.jsonl"),
+                            tau_ratio.step_lengths(tmp_path / "static.jsonl"), resamples=400, goal=1.2)
+    assert r["prompts"] == 2 and r["tau_a"] == 2.0 and r["tau_b"] == 1.5     # 8/4 and 6/4, pooled over steps
+    assert r["ratio"] == pytest.approx(4 / 3)
+    lo, hi = r["ci95"]
+    assert lo < r["ratio"] < hi and lo == pytest.approx(1.0) and hi == pytest.approx(2.0)  # prompt 1 or 2 alone
+    assert 0 < r["share_at_or_above_goal"] < 1
+    same = tau_ratio.tau_ratio({1: [2, 2], 2: [4]}, {1: [1, 1], 2: [2]}, resamples=50)
+    assert same["ci95"] == pytest.approx((2.0, 2.0))       # every prompt agrees: no spread to report
+    with pytest.raises(ValueError):
+        tau_ratio.tau_ratio({1: [1]}, {2: [1]})
+    tau_ratio.main([str(tmp_path), "--resamples", "200"])
+    assert "= 1.333 over 2 prompts" in capsys.readouterr().out
