@@ -156,8 +156,12 @@ def _shots() -> Path:
 # frame after the one that painted it (two animation frames later: an upper bound on the paint).
 WATCH_FIRST_PAINT_JS = """() => {
     const t = window.__firstToken = {click: null, token: null, paint: null};
-    document.addEventListener('click', e => {
-        if (t.click === null && e.target.closest('#generate-btn')) t.click = e.timeStamp; }, {capture: true});
+    const onClick = e => {
+        if (!e.target.closest('#generate-btn')) return;
+        t.click = e.timeStamp;
+        document.removeEventListener('click', onClick, {capture: true});
+    };
+    document.addEventListener('click', onClick, {capture: true});
     const panel = document.querySelector('#tokens');
     const watch = new MutationObserver(() => {
         if (t.token !== null || !panel.querySelector('.tok:not(.earlier-run)')) return;
@@ -170,7 +174,7 @@ WATCH_FIRST_PAINT_JS = """() => {
 
 
 def _first_token_after_click(page, prompt: str) -> tuple[float, float]:
-    """(click → first token painted, timed in the page; the same as the test driver sees it), seconds."""
+    """(click → first token painted, timed in the page; click → token as the test driver saw it), seconds."""
     page.fill("#prompt textarea", prompt)
     page.wait_for_timeout(300)                     # let the textbox's value reach the app
     # mark what an earlier run left, so that neither its tokens nor its "done" count for this run

@@ -120,6 +120,10 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
     parts: list[str] = []
     token_str, eos = vocab(studio, run)
     figures_due = False
+
+    def figures() -> dict:
+        return dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
+
     for ev, dt in events:
         run.compute_s += dt
         if isinstance(ev, Start):
@@ -139,15 +143,14 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
         if changed:
             run.history.append((ev.index + 1, ev.skip))
         if figures_due:
-            update["domain_plot"] = map_fig(studio, run, session.map_whole)
-        if changed or figures_due:
+            update, figures_due = figures(), False
+        elif changed:
             update["layer_plot"] = layer_fig(studio, run)
-        figures_due = False
         parts.append(vtok.tokens_html(vtok.step_tokens(ev, token_str, eos)))
         update.update(tokens=tokens_view(studio, parts, f"{verb}…"), stats=stats_view(run, None, note))
         yield update
     if figures_due:                       # the run ended (or was stopped) before its first step
-        yield dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
+        yield figures()
     stopped = session.stop
     st = run.stats
     if st is None:

@@ -26,6 +26,7 @@ from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.loading import load_backbone
 from ssd_core.policies import registry
 from ssd_core.policies.ar import Autoregressive
+from ssd_core.tools.specbench import load_answers
 from viz import domain_map as vmap
 
 log = logging.getLogger("knn-ssd-studio")
@@ -185,7 +186,7 @@ def _read_json(path: Path):
 def _answers(path: Path) -> list:
     """Spec-Bench answer records (one JSON object a line with `choices`), or [] for other files."""
     try:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = load_answers(path)
     except (OSError, ValueError):
         return []
     return rows if rows and all(isinstance(r, dict) and "choices" in r for r in rows) else []

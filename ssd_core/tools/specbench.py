@@ -78,6 +78,11 @@ def switch_rate(order: list) -> float:
     return sum(a.category != b.category for a, b in zip(order, order[1:])) / (len(order) - 1)
 
 
+def load_answers(path) -> list[dict]:
+    """The JSON objects of an answer file (`answer_line`'s format), one a line; blank lines skipped."""
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def answer_line(model: str, r: dict) -> dict:
     """One Spec-Bench answer line from a bench record of one strategy on one question."""
     return {

@@ -11,21 +11,16 @@ interval is wide: it says whether a ratio near a goal is a miss or noise.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
+from .specbench import load_answers
+
 
 def step_lengths(path: Path) -> dict:
     """question_id → the accept lengths (tokens per verification step) of its first turn."""
-    out = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                a = json.loads(line)
-                out[a["question_id"]] = a["choices"][0]["accept_lengths"][0]
-    return out
+    return {a["question_id"]: a["choices"][0]["accept_lengths"][0] for a in load_answers(path)}
 
 
 def tau_ratio(a: dict, b: dict, resamples: int = 5000, goal: float | None = None, seed: int = 0) -> dict:
