@@ -129,6 +129,8 @@ def test_domain_check_table_names_failing_domains_loudly():
     ok = domain_check_md({"math": check["math"]}, 0.02)
     assert ok.startswith("**Every domain set beats the static set")
     assert "predates" in domain_check_md(None, None)
+    assert "prompt lookup" not in md
+    assert "prompt lookup would not draft" in domain_check_md(check, 0.02, "matchness", lookup_aware=True)
 
 
 # --- the figure: zoom, cluster labels, the K nearest ringed and listed (viz.domain_map, pure) ---------

@@ -6,7 +6,8 @@ import torch
 
 from ssd_core.calibration.candidates import default_initial, searchable_layers, structured_candidates
 from ssd_core.calibration.latency import LatencyModel
-from ssd_core.calibration.matchness import MatchData, build_match_data, matchness, matchness_per_domain, merge
+from ssd_core.calibration.matchness import (MatchData, build_match_data, matchness, matchness_per_domain, merge,
+                                           model_drafted_only)
 from ssd_core.calibration.search import STATIC, SearchResult, search_all, search_skip_set
 from ssd_core.engine.backbone import EMPTY
 from ssd_core.engine.skipset import SkipSet
@@ -115,6 +116,35 @@ def test_merge_interleaves_so_a_limit_keeps_the_mix(data, other):
     assert len(mixed.prefix_kv) == 3
     bare = MatchData(other.sequences, other.starts, other.targets)
     assert merge([data, bare]).prefix_kv == ()
+
+
+def lookup_would_draft(context) -> bool:
+    """Independent of PromptLookup: the last two tokens occurred earlier, followed by a token."""
+    tail = tuple(context[-2:])
+    return len(context) >= 3 and any(tuple(context[i:i + 2]) == tail for i in range(len(context) - 2))
+
+
+def test_model_drafted_only_drops_the_positions_lookup_drafts():
+    seq = (5, 6, 7, 5, 6, 8, 5, 6)        # at position 5 the text ends in "5 6", seen before 7
+    data = MatchData((seq,), (3,), (torch.tensor(seq[3:]),))
+    kept = model_drafted_only(data)
+    assert kept.targets[0].tolist() == [5, 6, -1, 5, 6]
+    assert kept.tokens == 4 and data.tokens == 5
+    with pytest.raises(ValueError):        # nothing left to score
+        model_drafted_only(MatchData(((1, 2, 1, 2, 1),), (4,), (torch.tensor([1]),)))
+
+
+def test_matchness_on_model_drafted_positions_only(tiny, data):
+    kept = model_drafted_only(data)
+    for seq, start, full, target in zip(data.sequences, data.starts, data.targets, kept.targets):
+        for j in range(len(full)):
+            dropped = lookup_would_draft(seq[:start + j])
+            assert int(target[j]) == (-1 if dropped else int(full[j]))
+    assert matchness(tiny, SkipSet(), kept) == 1.0
+    skip = SkipSet({1, 3}, {2})
+    hits = brute_force_matches(tiny, skip, kept)         # a -1 target never matches
+    assert matchness(tiny, skip, kept) * kept.tokens == pytest.approx(hits)
+    assert merge([kept, data]).tokens == kept.tokens + data.tokens
 
 
 def test_match_data_rejects_inconsistent_rows(data):

@@ -184,11 +184,13 @@ def matchness_heatmap(matchness: dict[str, dict[str, float]], domains: list[str]
 
 
 
-def domain_check_md(check: dict | None, margin: float | None, mode: str | None = None) -> str:
+def domain_check_md(check: dict | None, margin: float | None, mode: str | None = None,
+                    lookup_aware: bool = False) -> str:
     """The calibration's domain check as a markdown table: does each set beat static at home?
 
     check: calibrate's meta["check"] (domain → own, static, other, gain, passed). Failing domains
-    are named in bold above the table: they route to the static set.
+    are named in bold above the table: they route to the static set. lookup_aware: the matchness
+    was scored only where prompt lookup would not draft (calibrate --lookup-aware).
     """
     if not check:
         return ("*This calibration predates the domain check (re-run `python -m ssd_core.calibrate`).*")
@@ -205,4 +207,6 @@ def domain_check_md(check: dict | None, margin: float | None, mode: str | None =
         other = "–" if c.get("other") is None else f"{c['other']:.2f}"
         rows.append(f"| {d} | {c['own']:.2f} | {c['static']:.2f} | {c['gain']:+.2f} | {other} | "
                     f"{'yes' if c['passed'] else '**no → static**'} |")
-    return lead + "\n\n" + "\n".join(rows)
+    where = ("\n\n*Matchness counted only at positions where prompt lookup would not draft: the "
+             "positions a skip set drafts when lookup is on.*" if lookup_aware else "")
+    return lead + "\n\n" + "\n".join(rows) + where

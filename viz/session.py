@@ -131,7 +131,8 @@ def domains_views(studio: Studio):
                f"**{outside['accuracy']['overall']:.0%}**; " if outside else "")
             + f"prompts less similar than {cal.router.threshold:.2f} to every anchor count as unknown → static set."
             + "\n\n" + vlayers.domain_check_md(cal.meta.get("check"), cal.meta["settings"].get("check_margin"),
-                                                cal.meta["settings"].get("search_mode")))
+                                                cal.meta["settings"].get("search_mode"),
+                                                cal.meta["settings"].get("lookup_aware", False)))
     return (text, vlayers.sets_grid(studio.backbone.n_layers, cal.domain_sets, cal.static),
             vlayers.matchness_heatmap(cal.matchness, list(cal.domain_sets)))
 

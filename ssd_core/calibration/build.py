@@ -34,7 +34,7 @@ from .candidates import ratio_count
 from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
-from .matchness import build_match_data, matchness_per_domain
+from .matchness import build_match_data, matchness_per_domain, model_drafted_only
 from .router import Router, suggest_threshold
 from .search import SEARCH_METHODS, SEARCH_MODES, default_method, search_all
 from .search_memo import SearchMemo, fingerprint
@@ -159,7 +159,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               umap: bool = True, progress: bool = True,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
-              device: str | torch.device = "auto", search_method: str | None = None) -> cal_io.Calibration:
+              device: str | torch.device = "auto", search_method: str | None = None,
+              lookup_aware: bool = False) -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
@@ -169,6 +170,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     "greedy", the default there) by importance, construction and swaps (calibration.greedy). check_margin: how much
     a domain's set must beat the static set on its own held-out prompts to be kept. resume: reuse
     the matchness memo an interrupted run left in `out` (same model, draft and data only).
+    lookup_aware: the search and the domain check score matchness only where prompt lookup would
+    not draft (matchness.model_drafted_only); the draft acceptance stays over every position.
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -196,17 +199,21 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     held_data = {d: build_match_data(bb, s[1][:held_out_per_domain], continuation_tokens,
                                      max_prompt_tokens, progress=progress) for d, s in splits.items()}
     timings["match_data_s"] = time.perf_counter() - t
+    scored = model_drafted_only if lookup_aware else (lambda data: data)
+    search_scored = {d: scored(x) for d, x in search_data.items()}
+    held_scored = {d: scored(x) for d, x in held_data.items()}
 
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
     memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
         model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
-        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4))
+        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4,
+        **({"lookup_aware": True} if lookup_aware else {})))
     if not resume:
         memo.data = {}
     elif memo.size and progress:
         print(f"resuming the search: {memo.size} matchness values from {memo.path}")
-    results, static = search_all(bb, search_data, latency, budget=budget, gamma=gamma, seed=seed,
+    results, static = search_all(bb, search_scored, latency, budget=budget, gamma=gamma, seed=seed,
                                  progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
                                  mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method)
     timings["search_s"] = time.perf_counter() - t
@@ -217,7 +224,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     for name, skip in tqdm([*searched.items(), ("static", static.skip)], desc="held-out matchness",
                            disable=not progress):
         matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(
-            bb, skip, held_data, bb.draft_weights(draft)).items()}
+            bb, skip, held_scored, bb.draft_weights(draft)).items()}
     check = check_domain_sets(matrix, searched, check_margin)
     domain_sets = {d: s if check[d]["passed"] else static.skip.with_name(d) for d, s in searched.items()}
     for d, c in check.items():
@@ -280,7 +287,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "search_method": search_method,
                      "skip_ratio": skip_ratio if search_mode == "matchness" else None,
                      "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
-                     if search_mode == "matchness" else None, "check_margin": check_margin},
+                     if search_mode == "matchness" else None, "check_margin": check_margin,
+                     "lookup_aware": lookup_aware},
         "check": check,
         "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
@@ -330,6 +338,9 @@ def main(argv=None):
     ap.add_argument("--check-margin", type=float, default=0.02,
                     help="held-out matchness by which a domain set must beat the static set on its "
                          "own domain; a set that does not routes to the static set")
+    ap.add_argument("--lookup-aware", action="store_true",
+                    help="score matchness (search and domain check) only at positions where prompt "
+                         "lookup would not draft, i.e. where the skip set drafts when lookup is on")
     ap.add_argument("--fresh", action="store_true",
                     help="ignore the matchness memo an interrupted run left in --out")
     ap.add_argument("--threads", type=int, default=2)
@@ -352,7 +363,8 @@ def main(argv=None):
                     seed=args.seed, umap=not args.no_umap, min_skip_ratio=args.min_skip_ratio,
                     draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
                     search_method=args.search_method,
-                    check_margin=args.check_margin, resume=not args.fresh, device=args.device)
+                    check_margin=args.check_margin, resume=not args.fresh, device=args.device,
+                    lookup_aware=args.lookup_aware)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

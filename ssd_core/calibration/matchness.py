@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
 from ..engine.generate import generate
+from ..engine.lookup import PromptLookup
 from ..engine.skipset import SkipSet
 from ..policies.ar import Autoregressive
 
@@ -48,8 +49,8 @@ class MatchData:
 
     @property
     def tokens(self) -> int:
-        """Number of scored positions (continuation tokens)."""
-        return sum(len(t) for t in self.targets)
+        """Number of scored positions (continuation tokens; a target of -1 is not scored)."""
+        return sum(int((t >= 0).sum()) for t in self.targets)
 
     def rows(self) -> list[tuple]:
         """(sequence, start, targets, prefix_kv or None) per sequence."""
@@ -107,6 +108,28 @@ def build_match_data(backbone: Backbone, prompts: list[str], continuation_tokens
         # exactly 1.0 (incremental and parallel fp32 passes can differ on near-ties)
         targets.append(_draft_argmax(backbone, seq, len(prompt), SkipSet.empty(), kv))
     return MatchData(tuple(sequences), tuple(starts), tuple(targets), tuple(kvs))
+
+
+def model_drafted_only(data: MatchData) -> MatchData:
+    """The same data, scored only where prompt lookup would not draft (`--lookup-aware`).
+
+    With prompt lookup on, a step drafts from the skip set only when the text so far does not end in
+    an n-gram seen before; where it does, the lookup's proposal is used and the set does not matter.
+    Such positions get target -1 (an argmax never equals it, and `tokens` does not count it), so a
+    search over this data optimises the set for the positions it actually drafts.
+    """
+    targets = []
+    for seq, start, target in zip(data.sequences, data.starts, data.targets):
+        lookup, kept = PromptLookup(seq[:start]), target.clone()
+        for j in range(len(kept)):
+            if lookup.propose(1):
+                kept[j] = -1
+            lookup.extend(seq[start + j:start + j + 1])
+        targets.append(kept)
+    out = MatchData(data.sequences, data.starts, tuple(targets), data.prefix_kv)
+    if not out.tokens:
+        raise ValueError("model_drafted_only: prompt lookup covers every position; nothing left to score")
+    return out
 
 
 def merge(datas, limit: int | None = None) -> MatchData:
