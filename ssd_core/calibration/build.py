@@ -208,7 +208,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
         model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
         tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4,
-        **({"lookup_aware": True} if lookup_aware else {})))
+        lookup_aware=lookup_aware))
     if not resume:
         memo.data = {}
     elif memo.size and progress:
