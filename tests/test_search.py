@@ -8,7 +8,7 @@ from ssd_core.calibration.candidates import default_initial, searchable_layers, 
 from ssd_core.calibration.latency import LatencyModel
 from ssd_core.calibration.matchness import (MatchData, build_match_data, matchness, matchness_per_domain, merge,
                                            model_drafted_only)
-from ssd_core.calibration.search import STATIC, SearchResult, search_all, search_skip_set
+from ssd_core.calibration.search import STATIC, SearchResult, search_all, search_skip_set, static_share
 from ssd_core.engine.backbone import EMPTY
 from ssd_core.engine.skipset import SkipSet
 from tiny import tiny_backbone
@@ -257,6 +257,13 @@ def test_static_mix_takes_a_balanced_share_of_each_domain(tiny, data, other):
                            budget=4, progress=False, static_per_domain=1)
     mixed = merge([data, other], limit=2)
     assert static.matchness == matchness(tiny, static.skip, mixed)
+
+
+@pytest.mark.parametrize("per_domain, n_domains, share", [(10, 7, 4), (24, 7, 4), (28, 7, 4), (29, 7, 5),
+                                                         (64, 7, 10), (3, 2, 4)])
+def test_static_mix_is_never_smaller_than_one_domains_search_data(per_domain, n_domains, share):
+    assert static_share(per_domain, n_domains) == share
+    assert share * n_domains >= per_domain
 
 
 # --- KNN-SSD's mode: fixed skip ratio, maximise matchness ---------------------------------------------

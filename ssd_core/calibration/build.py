@@ -36,7 +36,7 @@ from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
 from .matchness import build_match_data, matchness_per_domain, model_drafted_only
 from .router import Router, suggest_threshold
-from .search import SEARCH_METHODS, SEARCH_MODES, default_method, search_all
+from .search import SEARCH_METHODS, SEARCH_MODES, default_method, search_all, static_share
 from .search_memo import SearchMemo, fingerprint
 
 ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
@@ -205,9 +205,10 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
+    static_per_domain = static_share(prompts_per_domain, len(splits))
     memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
         model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
-        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=4,
+        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=static_per_domain,
         lookup_aware=lookup_aware))
     if not resume:
         memo.data = {}
@@ -215,7 +216,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
         print(f"resuming the search: {memo.size} matchness values from {memo.path}")
     results, static = search_all(bb, search_scored, latency, budget=budget, gamma=gamma, seed=seed,
                                  progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
-                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method)
+                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method,
+                                 static_per_domain=static_per_domain)
     timings["search_s"] = time.perf_counter() - t
     searched = {d: r.skip for d, r in results.items()}
 

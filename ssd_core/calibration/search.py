@@ -228,6 +228,12 @@ def _result(history: list[dict], name: str) -> SearchResult:
                         history=tuple(history))
 
 
+def static_share(prompts_per_domain: int, n_domains: int, least: int = 4) -> int:
+    """Sequences each domain gives the static mix: at least `least`, and enough that the static set
+    is searched on no fewer sequences than one domain's set (a smaller mix would handicap it)."""
+    return max(least, -(-prompts_per_domain // n_domains))
+
+
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
                context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1,
