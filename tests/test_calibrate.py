@@ -271,7 +271,8 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
     cal = calibrate(None, out, budget=4, gamma=3, prompts_per_domain=3, held_out_per_domain=2,
                     continuation_tokens=6, max_prompt_tokens=32, backbone=tiny,
                     profile_kw={"contexts": (16,), "verify_ks": (1, 2), "repeats": 1}, progress=False,
-                    umap=False, search_mode="matchness", skip_ratio=0.3, check_margin=1.0, lookup_aware=True)
+                    umap=False, search_mode="matchness", skip_ratio=0.3, check_margin=1.0, lookup_aware=True,
+                    matchness_window=2)
     check = cal.meta["check"]
     assert set(check) == set(DOMAINS) and not any(c["passed"] for c in check.values())
     for d, skip in cal.domain_sets.items():
@@ -282,17 +283,21 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
     assert sum("CHECK FAILED for domain" in r.message for r in caplog.records) == len(DOMAINS)
     assert cal.meta["settings"]["search_mode"] == "matchness"
     assert cal.meta["settings"]["search_method"] == "greedy"     # the default for fixed-size sets
-    # --lookup-aware: the check scored only the positions prompt lookup would not draft
+    # --lookup-aware: the check scored only the positions prompt lookup would not draft;
+    # --matchness-window 2: as drafts of 2 tokens see them
     from ssd_core.calibration.domains import DOMAIN_DIR, load_prompts, split
     from ssd_core.calibration.matchness import build_match_data, matchness, model_drafted_only
-    assert cal.meta["settings"]["lookup_aware"] is True
-    draft, dropped = tiny.draft_weights("int8"), 0
+    assert cal.meta["settings"]["lookup_aware"] is True and cal.meta["settings"]["matchness_window"] == 2
+    draft, dropped, differs = tiny.draft_weights("int8"), 0, 0
     for d, prompts in load_prompts(DOMAIN_DIR).items():
-        held = build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False)
+        held = build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False, window=2)
         scored = model_drafted_only(held)
         dropped += held.tokens - scored.tokens
         assert cal.matchness["static"][d] == round(matchness(tiny, cal.static, scored, draft), 4)
+        plain = model_drafted_only(build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False))
+        differs += round(matchness(tiny, cal.static, plain, draft), 4) != cal.matchness["static"][d]
     assert dropped > 0        # else the check above could not tell scored from plain data
+    assert differs > 0        # nor tell a windowed from a plain measure
     assert not (out / ".search_memo.json").exists()          # a finished run leaves no memo
     outside = cal.routing["check_set"]                       # routing on assets/routing_check/
     assert outside["prompts"] >= 7 and "overall" in outside["accuracy"]

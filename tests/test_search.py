@@ -147,6 +147,66 @@ def test_matchness_on_model_drafted_positions_only(tiny, data):
     assert merge([kept, data]).tokens == kept.tokens + data.tokens
 
 
+def decoding_draft_logits(bb, seq, start: int, skip: SkipSet, window: int) -> torch.Tensor:
+    """Independent of Backbone.forward(window=…): what decoding with drafts of `window` tokens does.
+    The verifier leaves the full model's KV for the text before each draft; the draft then runs one
+    token at a time on its own KV (decode._step), from the block's first position."""
+    full = bb.new_cache(len(seq))
+    bb.forward(seq[:-1], full, EMPTY, logits="none")
+    out = []
+    for b in range(start - 1, len(seq) - 1, window):
+        cache = bb.new_cache(len(seq))
+        cache.k.copy_(full.k)
+        cache.v.copy_(full.v)
+        cache.length = b
+        for pos in range(b, min(b + window, len(seq) - 1)):
+            out.append(bb.forward([seq[pos]], cache, skip, logits="last"))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_windowed_matchness_is_what_decoding_drafts_see(tiny, window):
+    data = build_match_data(tiny, PROMPTS, continuation_tokens=16, progress=False, window=window)
+    assert data.window == window and len(data.continuation_kv) == len(data)
+    assert matchness(tiny, SkipSet(), data) == 1.0
+    skip = SkipSet({1, 3}, {2})
+    hits = 0
+    for seq, start, target, (pk, pv), (ck, cv) in zip(data.sequences, data.starts, data.targets,
+                                                      data.prefix_kv, data.continuation_kv):
+        expected = decoding_draft_logits(tiny, seq, start, skip, window)
+        cache = tiny.new_cache(len(seq))
+        cache.k[:, :, :start - 1], cache.v[:, :, :start - 1] = pk, pv
+        cache.k[:, :, start - 1:len(seq) - 1], cache.v[:, :, start - 1:len(seq) - 1] = ck, cv
+        cache.length = start - 1
+        got = tiny.forward(seq[start - 1:-1], cache, skip, logits="all", window=window)
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+        hits += int((expected.argmax(-1) == target).sum())
+    assert matchness(tiny, skip, data) * data.tokens == pytest.approx(hits)
+    # without the stored keys / values the same numbers are recomputed
+    bare = MatchData(data.sequences, data.starts, data.targets, window=window)
+    assert matchness(tiny, skip, bare) == matchness(tiny, skip, data)
+
+
+def test_a_window_past_the_continuation_is_swifts_measure(tiny, data):
+    """Drafting the whole continuation in one block is reading the draft's own KV all along."""
+    long = build_match_data(tiny, PROMPTS, continuation_tokens=16, progress=False, window=64)
+    for skip in (SkipSet({1, 3}, {2}), SkipSet({2}, {1, 3})):
+        assert matchness(tiny, skip, long) == pytest.approx(matchness(tiny, skip, data))
+
+
+def test_the_window_travels_with_the_data(tiny, data):
+    windowed = build_match_data(tiny, OTHER, continuation_tokens=12, progress=False, window=2)
+    kept = model_drafted_only(windowed)
+    assert kept.window == 2 and kept.continuation_kv == windowed.continuation_kv
+    assert merge([windowed, kept]).window == 2 and len(merge([windowed, kept]).continuation_kv) == 2 * len(OTHER)
+    with pytest.raises(ValueError, match="different windows"):
+        merge([data, windowed])
+    with pytest.raises(ValueError):          # the full model's continuation KV only means something with a window
+        MatchData(windowed.sequences, windowed.starts, windowed.targets, continuation_kv=windowed.continuation_kv)
+    with pytest.raises(ValueError):
+        MatchData(data.sequences, data.starts, data.targets, window=0)
+
+
 def test_match_data_rejects_inconsistent_rows(data):
     with pytest.raises(ValueError):
         MatchData(data.sequences, data.starts, data.targets[:-1])

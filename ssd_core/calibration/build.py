@@ -134,7 +134,8 @@ def reprofile(folder: Path, model: str | None = None, progress: bool = True,
     t = time.perf_counter()
     prompts = load_prompts()
     head = head_for_domains(bb, prompts, progress=progress)
-    data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"])
+    data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"],
+                         window=cal.meta["settings"].get("matchness_window"))
     cal.drafts = {"head": head, "acceptance": draft_acceptance(
         bb, {**cal.domain_sets, "static": cal.static}, data, progress=progress)}
     cal.meta["timings"]["drafts_s"] = round(time.perf_counter() - t, 1)
@@ -160,7 +161,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
               device: str | torch.device = "auto", search_method: str | None = None,
-              lookup_aware: bool = False) -> cal_io.Calibration:
+              lookup_aware: bool = False, matchness_window: int | None = None) -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
@@ -172,6 +173,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     the matchness memo an interrupted run left in `out` (same model, draft and data only).
     lookup_aware: the search and the domain check score matchness only where prompt lookup would
     not draft (matchness.model_drafted_only); the draft acceptance stays over every position.
+    matchness_window: score every matchness (search, check, acceptance) as decoding with drafts of
+    that many tokens sees it (matchness module docstring); None: SWIFT's measure.
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -194,10 +197,10 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     timings["latency_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    search_data = {d: build_match_data(bb, s[0][:prompts_per_domain], continuation_tokens,
-                                       max_prompt_tokens, progress=progress) for d, s in splits.items()}
-    held_data = {d: build_match_data(bb, s[1][:held_out_per_domain], continuation_tokens,
-                                     max_prompt_tokens, progress=progress) for d, s in splits.items()}
+    search_data = {d: build_match_data(bb, s[0][:prompts_per_domain], continuation_tokens, max_prompt_tokens,
+                                       progress=progress, window=matchness_window) for d, s in splits.items()}
+    held_data = {d: build_match_data(bb, s[1][:held_out_per_domain], continuation_tokens, max_prompt_tokens,
+                                     progress=progress, window=matchness_window) for d, s in splits.items()}
     timings["match_data_s"] = time.perf_counter() - t
     scored = model_drafted_only if lookup_aware else (lambda data: data)
     search_scored = {d: scored(x) for d, x in search_data.items()}
@@ -209,7 +212,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
         model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
         tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=static_per_domain,
-        lookup_aware=lookup_aware))
+        lookup_aware=lookup_aware, window=matchness_window))
     if not resume:
         memo.data = {}
     elif memo.size and progress:
@@ -290,7 +293,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "skip_ratio": skip_ratio if search_mode == "matchness" else None,
                      "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
                      if search_mode == "matchness" else None, "check_margin": check_margin,
-                     "lookup_aware": lookup_aware},
+                     "lookup_aware": lookup_aware, "matchness_window": matchness_window},
         "check": check,
         "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
@@ -343,6 +346,10 @@ def main(argv=None):
     ap.add_argument("--lookup-aware", action="store_true",
                     help="score matchness (search and domain check) only at positions where prompt "
                          "lookup would not draft, i.e. where the skip set drafts when lookup is on")
+    ap.add_argument("--matchness-window", type=int, default=None, metavar="W",
+                    help="score matchness as decoding with drafts of W tokens sees it: each drafted "
+                         "token reads the full model's keys / values of the verified text and its own "
+                         "for at most W positions (default: its own over the whole continuation)")
     ap.add_argument("--fresh", action="store_true",
                     help="ignore the matchness memo an interrupted run left in --out")
     ap.add_argument("--threads", type=int, default=2)
@@ -366,7 +373,7 @@ def main(argv=None):
                     draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
                     search_method=args.search_method,
                     check_margin=args.check_margin, resume=not args.fresh, device=args.device,
-                    lookup_aware=args.lookup_aware)
+                    lookup_aware=args.lookup_aware, matchness_window=args.matchness_window)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

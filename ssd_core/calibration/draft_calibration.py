@@ -89,12 +89,12 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
 
 
 def held_out_data(bb, prompts: dict[str, list[str]], per_domain: int = 2, continuation_tokens: int = 24,
-                  max_prompt_tokens: int = 256) -> dict:
+                  max_prompt_tokens: int = 256, window: int | None = None) -> dict:
     """Teacher-forcing data on the first held-out prompts of every domain (domains.split)."""
     from .domains import split
 
     return {d: build_match_data(bb, split(p)[1][:per_domain], continuation_tokens, max_prompt_tokens,
-                                progress=False) for d, p in prompts.items()}
+                                progress=False, window=window) for d, p in prompts.items()}
 
 
 def head_for_domains(bb, prompts: dict[str, list[str]], per_domain: int = 4, held_out_per_domain: int = 2,

@@ -276,12 +276,17 @@ class Backbone:
     # --- the forward ---------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, ids, cache: KVCache, skip: SkipSet = EMPTY, logits: str = "last",
-                collect: list | None = None, draft=None):
+                collect: list | None = None, draft=None, window: int | None = None):
         """Run tokens `ids` at positions cache.length.. ; append their KV (non-skipped layers).
 
         logits: "last" → (vocab,), "all" → (T, vocab), "none" → final-norm hidden states (T, D).
         collect: if a list is given, (layer, kind, h_before, h_after) for every sublayer run.
         draft: a `draft.DraftWeights` to read instead of the fp32 weights (draft passes only).
+        window: a teacher-forced draft pass as decoding sees it (calibration only). The cache must
+        already hold the full model's keys / values for every position up to the last of `ids`.
+        The tokens fall into blocks of `window` from cache.length; a query reads the cache before its
+        block starts (the verified context) and its own block's keys up to itself, which is what the
+        k-th token of a draft of that length reads. Nothing is written to the cache.
         """
         layers, lin = (self.layers, F.linear) if draft is None else (draft.layers, draft.linear)
         if not torch.is_tensor(ids):
@@ -289,12 +294,13 @@ class Backbone:
         p0, end = cache.length, cache.length + ids.shape[0]
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")
-        rope, mask = (self.cos[p0:end], self.sin[p0:end]), self._causal_mask(p0, end)
+        mask = self._causal_mask(p0, end) if window is None else self._window_mask(p0, end, window)
+        rope = (self.cos[p0:end], self.sin[p0:end])
         attn_skip, mlp_skip = skip.attn, skip.mlp
         x = self.embed[ids]
         for i, L in enumerate(layers):          # a skipped sublayer adds nothing: h stays h
             if i not in attn_skip:
-                delta = self._attention(x, L, lin, cache, i, p0, rope, mask)
+                delta = self._attention(x, L, lin, cache, i, p0, rope, mask, own=window is not None)
                 if collect is not None:
                     collect.append((i, "attn", x, x + delta))
                 x = x + delta
@@ -303,7 +309,7 @@ class Backbone:
                 if collect is not None:
                     collect.append((i, "mlp", x, x + delta))
                 x = x + delta
-        cache.length = end
+        cache.length = max(cache.length, end) if window is not None else end
         if logits == "last":
             x = x[-1:]
         x = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
@@ -312,18 +318,22 @@ class Backbone:
         out = F.linear(x, self.lm_head) if draft is None else draft.head(x)
         return out[0] if logits == "last" else out
 
-    def _attention(self, x, L: _Layer, lin, cache: KVCache, i: int, p0: int, rope, mask):
-        """One attention sublayer's Δ; writes layer i's keys / values for positions p0.. to the cache."""
+    def _attention(self, x, L: _Layer, lin, cache: KVCache, i: int, p0: int, rope, mask, own: bool = False):
+        """One attention sublayer's Δ; writes layer i's keys / values for positions p0.. to the cache
+        (own: leaves the cache alone and appends them after its positions 0..end-1 instead)."""
         T, end = x.shape[0], p0 + x.shape[0]
         H, Hk, hd, g = self.n_heads, self.n_kv, self.head_dim, self.group
         qkv = lin(F.rms_norm(x, (self.hidden,), L.ln1, self.eps), L.wqkv, L.bqkv)
         q = _rope(qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1), *rope)
         k = _rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1), *rope)
-        cache.k[i, :, p0:end] = k
-        cache.v[i, :, p0:end] = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
+        if own:
+            keys, values = torch.cat([cache.k[i, :, :end], k], 1), torch.cat([cache.v[i, :, :end], v], 1)
+        else:
+            cache.k[i, :, p0:end], cache.v[i, :, p0:end] = k, v
+            keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
         # GQA without copying K/V: the g query heads sharing a KV head become g·T rows
-        o = F.scaled_dot_product_attention(
-            q.reshape(Hk, g * T, hd), cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask)
+        o = F.scaled_dot_product_attention(q.reshape(Hk, g * T, hd), keys, values, attn_mask=mask)
         return lin(o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd), L.wo)
 
     def _mlp(self, x, L: _Layer, lin):
@@ -337,6 +347,17 @@ class Backbone:
             return None
         return (torch.arange(end, device=self.device).unsqueeze(0)
                 <= torch.arange(p0, end, device=self.device).unsqueeze(1)).repeat(self.group, 1)
+
+    def _window_mask(self, p0: int, end: int, window: int):
+        """forward(window=…): queries at p0..end-1 over the cached keys 0..end-1, then their own."""
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        t = torch.arange(end - p0, device=self.device).unsqueeze(1)
+        block = p0 + t - t % window                      # the position where t's draft block starts
+        cached = torch.arange(end, device=self.device).unsqueeze(0) < block
+        own = torch.arange(end - p0, device=self.device).unsqueeze(0)
+        own = (own >= block - p0) & (own <= t)
+        return torch.cat([cached, own], 1).repeat(self.group, 1)
 
     @torch.inference_mode()
     def prefill(self, prompt: PromptIds, cache: KVCache) -> Prefill:
