@@ -89,12 +89,19 @@ def _prefix_kv(backbone: Backbone, seq, start: int) -> tuple[torch.Tensor, torch
     return cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()
 
 
-def _continuation_kv(backbone: Backbone, seq, start: int, kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full model's KV for positions start-1 .. len-2 (what the verifier leaves in the cache)."""
+def _primed_cache(backbone: Backbone, seq, start: int, kv):
+    """A cache for the whole sequence holding the full model's prompt KV (positions 0..start-2)."""
     n = start - 1
     cache = backbone.new_cache(len(seq) - 1)
     cache.k[:, :, :n], cache.v[:, :, :n] = kv
     cache.length = n
+    return cache
+
+
+def _continuation_kv(backbone: Backbone, seq, start: int, kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full model's KV for positions start-1 .. len-2 (what the verifier leaves in the cache)."""
+    n = start - 1
+    cache = _primed_cache(backbone, seq, start, kv)
     backbone.forward(seq[n:-1], cache, SkipSet.empty(), logits="none")
     return cache.k[:, :, n:].clone(), cache.v[:, :, n:].clone()
 
@@ -113,12 +120,10 @@ def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, d
     """
     kv = kv if kv is not None else _prefix_kv(backbone, seq, start)
     n = start - 1
-    cache = backbone.new_cache(len(seq) - 1)
-    cache.k[:, :, :n], cache.v[:, :, :n] = kv
+    cache = _primed_cache(backbone, seq, start, kv)
     if window is not None:
         cache.k[:, :, n:], cache.v[:, :, n:] = (continuation_kv if continuation_kv is not None
                                                 else _continuation_kv(backbone, seq, start, kv))
-    cache.length = n
     hidden = backbone.forward(seq[n:-1], cache, skip, logits="none", draft=draft, window=window)
     with torch.inference_mode():
         logits = F.linear(hidden, backbone.lm_head) if draft is None else draft.head(hidden)

@@ -309,7 +309,8 @@ class Backbone:
                 if collect is not None:
                     collect.append((i, "mlp", x, x + delta))
                 x = x + delta
-        cache.length = max(cache.length, end) if window is not None else end
+        if window is None:
+            cache.length = end
         if logits == "last":
             x = x[-1:]
         x = F.rms_norm(x, (self.hidden,), self.norm, self.eps)
