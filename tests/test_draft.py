@@ -79,26 +79,38 @@ def test_int8_draft_tracks_the_fp32_model_and_costs_little_memory(tiny):
     quant = tiny.forward(ids, tiny.new_cache(64), EMPTY, logits="all", draft=draft)
     assert not torch.equal(full, quant)                         # it is really another computation
     cos = torch.nn.functional.cosine_similarity(full, quant, dim=-1)
-    assert float(cos.min()) > 0.98
-    assert (full.argmax(-1) == quant.argmax(-1)).float().mean() > 0.8
+    # 8-bit codes on a CPU without VNNI (int16 saturation) gave cos 0.66 and 44% agreement here;
+    # with VNNI the 8-bit draft reaches cos > 0.98, the 7-bit codes used without it 0.979 and 78%
+    assert float(cos.min()) > 0.97
+    assert (full.argmax(-1) == quant.argmax(-1)).float().mean() >= 0.75
     fp32_bytes = sum(t.numel() * 4 for L in tiny.layers for t in (L.wqkv, L.wo, L.wgu, L.wdown)) \
         + tiny.lm_head.numel() * 4
     assert 0 < draft.extra_bytes() < 0.4 * fp32_bytes
     assert draft.label == "int8 draft"
 
 
-def test_int8_codes_are_torchs_per_channel_quantisation():
+@pytest.mark.parametrize("levels", [127, 63])
+def test_int8_codes_are_torchs_per_channel_quantisation(levels, monkeypatch):
     """The fast codes equal torch.quantize_per_channel's, ties (x.5) included, and pack into the kernel."""
-    from ssd_core.engine.draft import _int8_codes, _int8_linear, _int8_pack
+    from ssd_core.engine import draft as draft_mod
+    monkeypatch.setattr(draft_mod, "WEIGHT_LEVELS", levels)
     gen = torch.Generator().manual_seed(0)
-    ties = (torch.arange(-254, 255, dtype=torch.float32) / 4).repeat(3, 1)   # scale 0.5: codes k/2, half ties
+    ties = (torch.arange(-2 * levels, 2 * levels + 1, dtype=torch.float32) / 4).repeat(3, 1)  # codes k/2: ties
     for w in (torch.randn(64, 96, generator=gen), torch.randn(7, 509, generator=gen) * 1e-3, ties):
-        codes, scale = _int8_codes(w)
+        codes, scale = draft_mod._int8_codes(w)
+        assert int(codes.abs().max()) == levels
         ref = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
         assert torch.equal(codes, ref.int_repr())
         x = torch.randn(2, w.shape[1], generator=gen)
         ref_out = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(ref, None), False)
-        assert torch.equal(_int8_linear(x, _int8_pack(w)), ref_out)
+        assert torch.equal(draft_mod._int8_linear(x, draft_mod._int8_pack(w)), ref_out)
+
+
+def test_seven_bit_codes_cannot_saturate_the_kernels_int16_pair_sums():
+    """Two u8 activations times two codes must fit in int16 (fbgemm without VNNI sums pairs there)."""
+    from ssd_core.engine.draft import WEIGHT_LEVELS, _cpu_has_vnni
+    assert WEIGHT_LEVELS == (127 if _cpu_has_vnni() else 63)
+    assert 2 * 255 * 64 <= 32767 < 2 * 255 * 128
 
 
 def test_unknown_draft_kind_is_refused(tiny):
