@@ -31,12 +31,13 @@ from ..engine.loading import load_backbone
 from ..policies.knapspec import fit_kappa, prompt_similarity
 from . import artifact as cal_io
 from .candidates import ratio_count
+from .channels import channel_sets
 from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
 from .matchness import build_match_data, matchness_per_domain, model_drafted_only
 from .router import Router, suggest_threshold
-from .search import SEARCH_METHODS, SEARCH_MODES, default_method, search_all, static_share
+from .search import CALIBRATION_MODES, SEARCH_METHODS, default_method, search_all, static_share
 from .search_memo import SearchMemo, fingerprint
 
 ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
@@ -161,7 +162,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               min_skip_ratio: float = 0.03, draft: str = "int8", search_mode: str = "speed",
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
               device: str | torch.device = "auto", search_method: str | None = None,
-              lookup_aware: bool = False, matchness_window: int | None = None) -> cal_io.Calibration:
+              lookup_aware: bool = False, matchness_window: int | None = None,
+              channel_keep: float = 0.7) -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
@@ -175,6 +177,10 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     not draft (matchness.model_drafted_only); the draft acceptance stays over every position.
     matchness_window: score every matchness (search, check, acceptance) as decoding with drafts of
     that many tokens sees it (matchness module docstring); None: SWIFT's measure.
+
+    search_mode "channels" searches nothing: every domain's set keeps the `channel_keep` share of each
+    MLP's channels that matter most on its calibration prompts, the static set those that matter most
+    over all domains (channels.py); no whole sublayer is skipped.
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -208,37 +214,44 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
-    static_per_domain = static_share(prompts_per_domain, len(splits))
-    memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
-        model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
-        tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=static_per_domain,
-        lookup_aware=lookup_aware, window=matchness_window))
-    if not resume:
-        memo.data = {}
-    elif memo.size and progress:
-        print(f"resuming the search: {memo.size} matchness values from {memo.path}")
-    results, static = search_all(bb, search_scored, latency, budget=budget, gamma=gamma, seed=seed,
-                                 progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
-                                 mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method,
-                                 static_per_domain=static_per_domain)
+    ranks, memo = None, None
+    if search_mode == "channels":
+        ranks, searched, static_skip = channel_sets(bb, search_data, channel_keep, progress=progress)
+        bb.set_channel_ranks(ranks)
+        results, static = {}, None
+    else:
+        static_per_domain = static_share(prompts_per_domain, len(splits))
+        memo = SearchMemo(Path(out) / MEMO_NAME, fingerprint(
+            model=bb.name, draft=draft, domains=domains_hash(domain_dir), prompts=prompts_per_domain,
+            tokens=continuation_tokens, max_prompt=max_prompt_tokens, static_per_domain=static_per_domain,
+            lookup_aware=lookup_aware, window=matchness_window))
+        if not resume:
+            memo.data = {}
+        elif memo.size and progress:
+            print(f"resuming the search: {memo.size} matchness values from {memo.path}")
+        results, static = search_all(bb, search_scored, latency, budget=budget, gamma=gamma, seed=seed,
+                                     progress=progress, min_skipped=min_skipped, draft=bb.draft_weights(draft),
+                                     mode=search_mode, skip_ratio=skip_ratio, memo=memo, method=search_method,
+                                     static_per_domain=static_per_domain)
+        searched = {d: r.skip for d, r in results.items()}
+        static_skip = static.skip
     timings["search_s"] = time.perf_counter() - t
-    searched = {d: r.skip for d, r in results.items()}
 
     t = time.perf_counter()
     matrix = {}
-    for name, skip in tqdm([*searched.items(), ("static", static.skip)], desc="held-out matchness",
+    for name, skip in tqdm([*searched.items(), ("static", static_skip)], desc="held-out matchness",
                            disable=not progress):
         matrix[name] = {d: round(v, 4) for d, v in matchness_per_domain(
             bb, skip, held_scored, bb.draft_weights(draft)).items()}
     check = check_domain_sets(matrix, searched, check_margin)
-    domain_sets = {d: s if check[d]["passed"] else static.skip.with_name(d) for d, s in searched.items()}
+    domain_sets = {d: s if check[d]["passed"] else static_skip.with_name(d) for d, s in searched.items()}
     for d, c in check.items():
         if not c["passed"]:
             matrix[d] = dict(matrix["static"])
             log.warning("CHECK FAILED for domain %s: its searched set %s does not beat the static set "
                         "on its own held-out prompts (%.3f vs %.3f, margin %.2f); it routes to the "
                         "static set", d, searched[d], c["own"], c["static"], check_margin)
-    drafts = {"head": head, "acceptance": draft_acceptance(bb, {**domain_sets, "static": static.skip},
+    drafts = {"head": head, "acceptance": draft_acceptance(bb, {**domain_sets, "static": static_skip},
                                                            held_data, progress=progress)}
     timings["matchness_s"] = time.perf_counter() - t
 
@@ -249,7 +262,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     routers = {}
     for pooling, col in (("user", 0), ("all", 1)):
         r = Router.build({d: e[0][col] for d, e in emb.items()}, {d: s[0] for d, s in splits.items()},
-                         domain_sets, static.skip, seed=seed, threshold=-1.0)
+                         domain_sets, static_skip, seed=seed, threshold=-1.0)
         held = {d: e[1][col] for d, e in emb.items()}
         thr = suggest_threshold(r, held)
         r = r.with_settings(threshold=thr)
@@ -268,6 +281,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     t = time.perf_counter()
     kappa = fit_kappa(_kappa_points(bb, results, {d: s[0] for d, s in splits.items()}, max_prompt_tokens))
+    # (channel mode searches nothing: no points, and fit_kappa keeps its default)
     timings["kappa_s"] = time.perf_counter() - t
 
     domain_map = None
@@ -293,24 +307,27 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "skip_ratio": skip_ratio if search_mode == "matchness" else None,
                      "skipped_per_set": ratio_count(bb.n_layers, skip_ratio)
                      if search_mode == "matchness" else None, "check_margin": check_margin,
-                     "lookup_aware": lookup_aware, "matchness_window": matchness_window},
+                     "lookup_aware": lookup_aware, "matchness_window": matchness_window,
+                     "channel_keep": channel_keep if search_mode == "channels" else None},
         "check": check,
         "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
         "latency_fit": fit_report(latency),
         "search": {name: {"matchness": round(r.matchness, 4), "objective": round(r.objective, 4),
                           "initial_objective": round(r.initial_objective, 4), "trials": r.trials}
-                   for name, r in [*results.items(), ("static", static)]},
+                   for name, r in [*results.items(), *([("static", static)] if static else [])]},
         "skip_weight_ratio": {name: round(bb.skip_weight_ratio(s), 4)
-                              for name, s in [*domain_sets.items(), ("static", static.skip)]},
-        "predicted_speedup": predicted_speedups(latency, domain_sets, static.skip, matrix, gamma, drafts),
+                              for name, s in [*domain_sets.items(), ("static", static_skip)]},
+        "predicted_speedup": predicted_speedups(latency, domain_sets, static_skip, matrix, gamma, drafts),
     }
-    cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static.skip,
+    cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static_skip,
                              router=router, matchness=matrix, routing=routing,
-                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts)
-    history = {name: r.to_dict() for name, r in [*results.items(), ("static", static)]}
+                             knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts,
+                             channel_ranks=ranks)
+    history = {name: r.to_dict() for name, r in [*results.items(), *([("static", static)] if static else [])]}
     cal_io.save(cal, out, domain_map, extra_json={"search_history.json": history})
-    memo.remove()
+    if memo is not None:
+        memo.remove()
     return cal_io.load(out, bb, domain_dir)
 
 
@@ -329,10 +346,14 @@ def main(argv=None):
                     help="least share of sublayers every searched set skips (0: unconstrained)")
     ap.add_argument("--draft", default="int8", choices=DRAFT_KINDS,
                     help="draft weights the sets are searched for (matchness and costs of that kind)")
-    ap.add_argument("--search-mode", default="speed", choices=SEARCH_MODES,
+    ap.add_argument("--search-mode", default="speed", choices=CALIBRATION_MODES,
                     help="speed: maximise predicted tokens per unit time above --min-skip-ratio; "
                          "matchness: KNN-SSD's search, every set skips exactly --skip-ratio of the "
-                         "sublayers and the search maximises matchness")
+                         "sublayers and the search maximises matchness; channels: no search, every "
+                         "domain's set keeps the --channel-keep share of each MLP's channels that "
+                         "matter most on its prompts (the static set: on all domains)")
+    ap.add_argument("--channel-keep", type=float, default=0.7,
+                    help="share of each MLP's channels a set keeps in --search-mode channels")
     ap.add_argument("--search-method", default=None, choices=SEARCH_METHODS,
                     help="how --search-mode matchness searches: greedy (default there: each "
                          "sublayer's importance, then build the set step by step and swap; --budget "
@@ -373,7 +394,8 @@ def main(argv=None):
                     draft=args.draft, search_mode=args.search_mode, skip_ratio=args.skip_ratio,
                     search_method=args.search_method,
                     check_margin=args.check_margin, resume=not args.fresh, device=args.device,
-                    lookup_aware=args.lookup_aware, matchness_window=args.matchness_window)
+                    lookup_aware=args.lookup_aware, matchness_window=args.matchness_window,
+                    channel_keep=args.channel_keep)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

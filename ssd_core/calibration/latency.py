@@ -103,7 +103,8 @@ class LatencyModel:
         L = self.n_layers
         c = self._costs(kind)
         attn, mlp = self.sublayer_times(context_len, kind)
-        return c["overhead"] + c["head"] + (L - len(skip.attn)) * attn + (L - len(skip.mlp)) * mlp
+        # a set that keeps part of each MLP's channels (SkipSet.keep) reads that share of its weights
+        return c["overhead"] + c["head"] + (L - len(skip.attn)) * attn + (L - len(skip.mlp)) * mlp * skip.keep
 
     def draft_cost(self, skip: SkipSet, context_len: int = 256, kind: str = "fp32") -> float:
         """c: one draft step relative to one full step."""

@@ -199,6 +199,7 @@ def merge(datas, limit: int | None = None) -> MatchData:
 
 
 def _matches(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> int:
+    draft = backbone.draft_for(draft, skip)
     return sum(int((_draft_argmax(backbone, seq, s, skip, kv, draft, data.window, cont) == t).sum())
                for seq, s, t, kv, cont in data.rows())
 
@@ -206,7 +207,8 @@ def _matches(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> 
 def matchness(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> float:
     """Share of continuation positions where the draft's argmax equals the full model's.
 
-    draft: a draft.DraftWeights to score (quantised weights / small head); None → fp32 weights.
+    draft: a draft.DraftWeights to score (quantised weights / small head); None → fp32 weights. A set
+    that keeps part of each MLP (SkipSet.channels) is scored on that draft's kind cut to its channels.
     """
     skip.validate(backbone.n_layers)
     return _matches(backbone, skip, data, draft) / data.tokens

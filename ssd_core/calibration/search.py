@@ -28,6 +28,8 @@ from .matchness import MatchData, matchness, merge
 
 STATIC = "static"
 SEARCH_MODES = ("speed", "matchness")
+# calibrate's modes: these two, and "channels" (no search: per-domain MLP channel rankings, channels.py)
+CALIBRATION_MODES = (*SEARCH_MODES, "channels")
 SEARCH_METHODS = ("tpe", "greedy")
 
 

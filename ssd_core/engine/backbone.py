@@ -220,6 +220,8 @@ class Backbone:
         self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
                                  if i is not None)
         self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
+        # the calibration's MLP channel rankings (name → (layers, channels) ids, most important first)
+        self.channel_ranks: dict[str, torch.Tensor] = {}
         self._drafts: dict = {}
         self._lock = threading.Lock()   # guards the lazily built drafts and reference model
 
@@ -239,17 +241,52 @@ class Backbone:
                 self.draft_head_ids = ids
                 self._drafts = {k: v for k, v in self._drafts.items() if not k[1]}
 
-    def draft_weights(self, kind: str = "int8", small_head: bool = True):
-        """The (cached) draft weights of a kind; None when the draft reads the fp32 weights as they are."""
+    def set_channel_ranks(self, ranks: dict | None) -> None:
+        """Install a calibration's MLP channel rankings ({name: (layers, channels) ids}); None → none."""
+        ranks = {str(k): torch.as_tensor(v, dtype=torch.long, device=self.device) for k, v in (ranks or {}).items()}
+        inter = self.layers[0].wdown.shape[1]
+        for name, r in ranks.items():
+            if r.shape != (self.n_layers, inter):
+                raise ValueError(f"channel ranking {name!r} has shape {tuple(r.shape)}; this model needs "
+                                 f"({self.n_layers}, {inter})")
+        with self._lock:
+            self.channel_ranks = ranks
+            self._drafts = {k: v for k, v in self._drafts.items() if k[2] is None}
+
+    def kept_channels(self, channels: str, keep: float) -> list[torch.Tensor]:
+        """Each layer's kept MLP channel ids (ascending): the top `keep` share of ranking `channels`."""
+        if channels not in self.channel_ranks:
+            known = ", ".join(sorted(self.channel_ranks)) or "none installed"
+            raise ValueError(f"no MLP channel ranking {channels!r} (known: {known}); load the calibration "
+                             "that made the set")
+        rank = self.channel_ranks[channels]
+        k = max(1, int(round(keep * rank.shape[1])))
+        return [row[:k].sort().values for row in rank]
+
+    def draft_for(self, draft, skip: SkipSet | None):
+        """What a set drafts with, given the draft weights for whole sublayers: `draft` itself, or for
+        a set that keeps part of each MLP (SkipSet.channels), weights of the same kind and head cut
+        to its channels."""
+        if skip is None or skip.channel_key is None:
+            return draft
+        small = draft is not None and draft.head.ids is not None
+        return self.draft_weights("fp32" if draft is None else draft.kind, small, skip)
+
+    def draft_weights(self, kind: str = "int8", small_head: bool = True, skip: SkipSet | None = None):
+        """The (cached) draft weights of a kind for a set; None when the draft reads the fp32 weights as
+        they are. Only a set that keeps part of each MLP (SkipSet.channels) needs weights of its own."""
         from .draft import DraftWeights
 
         head = small_head and self.draft_head_ids is not None
-        if kind == "fp32" and not head:
+        channels = skip.channel_key if skip is not None else None
+        if kind == "fp32" and not head and channels is None:
             return None
-        key = (kind, head)
+        key = (kind, head, channels)
         with self._lock:                 # built once (≈ 0.6 s for int8 on 2 cores), shared by all sessions
             if key not in self._drafts:
-                self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None)
+                kept = None if channels is None else self.kept_channels(*channels)
+                self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None,
+                                                 channels=kept, channels_name=channels)
             return self._drafts[key]
 
     # --- sizes -------------------------------------------------------------------------------
@@ -257,7 +294,7 @@ class Backbone:
         """Bytes of weights one decode step reads (lm_head included, embedding row ignored)."""
         el = self.embed.element_size()
         per_layer = (self.n_layers - len(skip.attn)) * self.attn_params + \
-                    (self.n_layers - len(skip.mlp)) * self.mlp_params
+                    (self.n_layers - len(skip.mlp)) * self.mlp_params * skip.keep
         return el * (per_layer + self.lm_head.numel())
 
     def skip_weight_ratio(self, skip: SkipSet) -> float:

@@ -156,13 +156,15 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     gen = torch.Generator(device=backbone.device).manual_seed(config.seed if config.seed is not None else
                                         int(time.time_ns() % (2 ** 31)))
     budget = config.max_new_tokens
-    draft = backbone.draft_weights(config.draft, config.small_head)
     cache = backbone.new_cache(min(backbone.max_positions, len(prompt) + budget + config.gamma + 2))
     t0 = time.perf_counter()
     pre = backbone.prefill(prompt, cache)
     first = int(pre.logits.argmax()) if config.greedy else _sample(_probs(pre.logits, config), gen)
     prefill_s = time.perf_counter() - t0
     plan = strategy.start(backbone, prompt, pre.embedding)
+    # a set that keeps part of each MLP drafts with weights of its own: built (once) before the clock
+    draft = backbone.draft_weights(config.draft, config.small_head, plan.skip)
+    draft_key = plan.skip.channel_key if plan.skip is not None else None
     yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, prompt.truncated,
                 draft=draft.label if draft is not None else "fp32 draft", skip=plan.skip,
                 domain=plan.domain, route=plan.route, forecast=plan.forecast)
@@ -185,6 +187,9 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
             gamma = max(0, min(gamma, room - 1))
         # a lookup draft costs nothing to make: propose as many as the config allows
         proposal = lookup.propose(min(config.gamma, room - 1)) if lookup is not None and gamma else ()
+        if decision.skip is not None and decision.skip.channel_key != draft_key:
+            draft = backbone.draft_weights(config.draft, config.small_head, decision.skip)
+            draft_key = decision.skip.channel_key
         step = _step(backbone, cache, tokens[-1], decision, config, gen, gamma, proposal,
                      draft, index, t_start)
         committed = step.committed

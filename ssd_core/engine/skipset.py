@@ -1,6 +1,9 @@
 """SkipSet: which attention and MLP sublayers the draft pass leaves out.
 
-Skipping a sublayer means its residual branch is not added (h stays h).
+Skipping a sublayer means its residual branch is not added (h stays h). A set may also skip part of
+every MLP it runs: `channels` names a ranking of each layer's MLP channels (the intermediate
+neurons, most important first, measured on some prompts: calibration/channels.py) and the draft
+keeps the first `keep` share of them in every layer (engine/draft.py), the rest add nothing.
 """
 from __future__ import annotations
 
@@ -15,8 +18,16 @@ class SkipSet:
     attn: frozenset[int] = field(default_factory=frozenset)
     mlp: frozenset[int] = field(default_factory=frozenset)
     name: str = ""
+    channels: str = ""      # the MLP channel ranking the draft keeps the top of ("" → every channel)
+    keep: float = 1.0       # share of each MLP's channels kept when `channels` is set
 
     def __post_init__(self):
+        keep = float(self.keep)
+        if not 0.0 < keep <= 1.0:
+            raise ValueError(f"SkipSet.keep must lie in (0, 1], got {self.keep!r}")
+        if keep < 1.0 and not self.channels:
+            raise ValueError("SkipSet.keep below 1 needs `channels`, the ranking that says which to keep")
+        object.__setattr__(self, "keep", 1.0 if not self.channels else keep)
         for kind in ("attn", "mlp"):
             values = getattr(self, kind)
             if isinstance(values, (str, bytes)):
@@ -46,7 +57,12 @@ class SkipSet:
 
     @property
     def is_empty(self) -> bool:
-        return not self.attn and not self.mlp
+        return not self.attn and not self.mlp and not self.channels
+
+    @property
+    def channel_key(self) -> tuple[str, float] | None:
+        """(ranking, keep) when the draft keeps only part of each MLP, else None."""
+        return (self.channels, self.keep) if self.channels else None
 
     def sublayer_ratio(self, n_layers: int) -> float:
         """Share of the 2·L sublayers that are skipped."""
@@ -56,20 +72,25 @@ class SkipSet:
                      other_params: int = 0) -> float:
         """Share of the model's weights the draft does not read (per decoder layer sizes)."""
         total = n_layers * (attn_params + mlp_params) + other_params
-        return (len(self.attn) * attn_params + len(self.mlp) * mlp_params) / total
+        mlp_skipped = len(self.mlp) + (1.0 - self.keep) * (n_layers - len(self.mlp))
+        return (len(self.attn) * attn_params + mlp_skipped * mlp_params) / total
 
     def with_name(self, name: str) -> "SkipSet":
-        return SkipSet(self.attn, self.mlp, name)
+        return SkipSet(self.attn, self.mlp, name, self.channels, self.keep)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+        d = {"name": self.name, "attn": sorted(self.attn), "mlp": sorted(self.mlp)}
+        if self.channels:
+            d.update(channels=self.channels, keep=self.keep)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "SkipSet":
-        unknown = set(d) - {"name", "attn", "mlp"}
+        unknown = set(d) - {"name", "attn", "mlp", "channels", "keep"}
         if unknown:
             raise ValueError(f"SkipSet: unknown keys {sorted(unknown)}")
-        return cls(frozenset(d.get("attn", ())), frozenset(d.get("mlp", ())), d.get("name", ""))
+        return cls(frozenset(d.get("attn", ())), frozenset(d.get("mlp", ())), d.get("name", ""),
+                   d.get("channels", ""), d.get("keep", 1.0))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -79,4 +100,5 @@ class SkipSet:
         return cls.from_dict(json.loads(text))
 
     def __str__(self) -> str:
-        return (f"SkipSet({self.name or '-'}: attn={sorted(self.attn)}, mlp={sorted(self.mlp)})")
+        channels = f", {self.keep:.0%} of MLP channels by {self.channels!r}" if self.channels else ""
+        return f"SkipSet({self.name or '-'}: attn={sorted(self.attn)}, mlp={sorted(self.mlp)}{channels})"

@@ -1,0 +1,68 @@
+"""Per-domain MLP channel rankings: which intermediate neurons of each MLP a domain's prompts use.
+
+A SkipSet with `channels` (engine/skipset.py) drafts with only the top `keep` share of every MLP's
+channels under one of these rankings. A channel j of layer i is one intermediate neuron: rows j of
+gate and up, column j of down. Its importance on a set of texts is the mean over their tokens of
+|silu(gate_j) · up_j| times the norm of down's column j, the size of what it adds to the residual
+stream. The full model computes it on the calibration prompts and its own continuations of them
+(the text a draft drafts).
+
+Why a finer grain than whole sublayers: on SmolLM2-135M a domain's skip set of whole sublayers
+barely beat one static set on that domain (README), while which neurons fire differs by domain.
+Measured with `python -m ssd_core.calibrate --search-mode channels` (README, "Channel sets").
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.skipset import SkipSet
+
+STATIC = "static"
+
+
+@torch.inference_mode()
+def channel_importance(bb, data) -> torch.Tensor:
+    """(layers, channels): mean |silu(g)·u| · ‖down[:, j]‖ over every token of `data`'s sequences
+    (matchness.MatchData: prompt + the full model's continuation), from full-model passes."""
+    total = torch.zeros(bb.n_layers, bb.layers[0].wdown.shape[1], dtype=torch.float64, device=bb.device)
+    tokens = 0
+    for seq in data.sequences:
+        collect: list = []
+        bb.forward(seq, bb.new_cache(len(seq)), SkipSet.empty(), logits="none", collect=collect)
+        for i, kind, h, _ in collect:
+            if kind == "mlp":
+                L = bb.layers[i]
+                gate, up = F.linear(F.rms_norm(h, (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
+                total[i] += (F.silu(gate) * up).abs().sum(0).double()
+        tokens += len(seq)
+    norms = torch.stack([L.wdown.norm(dim=0) for L in bb.layers]).double()
+    return (total / max(tokens, 1) * norms).float()
+
+
+def pooled(importances: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One importance for every domain at once (the static ranking): each domain's, normalised per
+    layer to sum 1, summed, so that every domain weighs the same whatever its text lengths."""
+    if not importances:
+        raise ValueError("pooled: no importances")
+    return sum(v / v.sum(1, keepdim=True).clamp(min=1e-30) for v in importances.values())
+
+
+def ranking(importance: torch.Tensor) -> torch.Tensor:
+    """Each layer's channel ids, most important first (ties by id)."""
+    return torch.argsort(-importance, dim=1, stable=True)
+
+
+def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True):
+    """Rankings per domain and pooled (STATIC), and the sets that keep `keep` of each MLP by them.
+
+    Returns (ranks {name: (layers, channels) ids}, {domain: SkipSet}, static SkipSet).
+    """
+    from tqdm.auto import tqdm
+
+    imps = {d: channel_importance(bb, data) for d, data in tqdm(data_by_domain.items(), desc="channel importance",
+                                                               disable=not progress)}
+    ranks = {d: ranking(v) for d, v in imps.items()}
+    ranks[STATIC] = ranking(pooled(imps))
+    sets = {d: SkipSet(name=d, channels=d, keep=keep) for d in imps}
+    return ranks, sets, SkipSet(name=STATIC, channels=STATIC, keep=keep)

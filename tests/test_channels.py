@@ -1,0 +1,142 @@
+"""Channel sets: drafts that keep part of every MLP, per-domain rankings, and their calibration."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssd_core.calibration.channels import STATIC, channel_importance, pooled, ranking
+from ssd_core.calibration.domains import DOMAINS
+from ssd_core.calibration.matchness import build_match_data, matchness
+from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.draft import DraftWeights
+from ssd_core.engine.generate import generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
+from hf_reference import hf_greedy
+from tiny import tiny_backbone
+
+PROMPT = "Write a SQL query that counts the orders of every customer."
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    """A tiny model of its own (channel rankings are backbone state) with a made-up ranking."""
+    bb = tiny_backbone()
+    inter = bb.layers[0].wdown.shape[1]
+    gen = torch.Generator().manual_seed(1)
+    bb.set_channel_ranks({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers]),
+                          STATIC: torch.arange(inter).repeat(bb.n_layers, 1)})
+    return bb
+
+
+def test_a_channel_set_round_trips_and_checks_itself():
+    s = SkipSet(frozenset({1}), frozenset(), "sql", channels="sql", keep=0.6)
+    assert SkipSet.from_dict(s.to_dict()) == s and s.channel_key == ("sql", 0.6)
+    assert SkipSet.from_dict({"name": "x", "attn": [1], "mlp": []}).channel_key is None   # old files load
+    assert "60% of MLP channels" in str(s) and not s.is_empty
+    with pytest.raises(ValueError, match="needs `channels`"):
+        SkipSet(keep=0.5)
+    with pytest.raises(ValueError, match="keep"):
+        SkipSet(channels="sql", keep=0.0)
+    # the share of weights it does not read: 40% of every MLP it runs
+    assert s.weight_ratio(10, 30, 4) == pytest.approx((10 + 0.4 * 4 * 30) / 160)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_a_channel_draft_is_the_mlp_without_the_dropped_neurons(ranked, kind):
+    """The cut weights compute exactly what the full MLP computes with the dropped neurons zeroed."""
+    bb = ranked
+    skip = SkipSet(name="a", channels="a", keep=0.5)
+    draft = bb.draft_weights(kind, small_head=False, skip=skip)
+    assert draft is bb.draft_weights(kind, small_head=False, skip=skip)          # built once
+    assert draft is not bb.draft_weights(kind, small_head=False)
+    assert "50% of MLP channels (a)" in draft.label
+    kept = bb.kept_channels("a", 0.5)
+    n = bb.layers[0].wdown.shape[1]
+    assert all(len(k) == n // 2 and torch.equal(k, k.sort().values) for k in kept)
+    ids = bb.encode(PROMPT).ids
+    out = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=draft)
+    base = bb.draft_weights(kind, small_head=False)
+    layers = []
+    for L, D, k in zip(bb.layers, base.layers if base is not None else bb.layers, kept):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[k] = True
+        wgu = L.wgu * torch.cat([mask, mask]).float()[:, None]           # dropped neurons: gate = up = 0
+        layers.append(types.SimpleNamespace(ln1=L.ln1, ln2=L.ln2, wqkv=L.wqkv, bqkv=L.bqkv, wo=L.wo, wgu=wgu,
+                                            wdown=L.wdown))
+    zeroed = types.SimpleNamespace(layers=layers, linear=F.linear, head=lambda h: F.linear(h, bb.lm_head))
+    ref = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=zeroed)
+    full = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all")
+    if kind == "fp32":
+        assert torch.allclose(out, ref, atol=1e-4)
+    else:                                  # int8 rounding on top: nearer the zeroed model than the full one
+        assert (out - ref).abs().mean() < (out - full).abs().mean()
+    assert not torch.allclose(out, full, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+@pytest.mark.parametrize("keep", [0.2, 0.7])
+def test_speculation_with_a_channel_set_is_lossless(ranked, kind, keep):
+    bb = ranked
+    skip = SkipSet(frozenset({2}), frozenset({1}), "a", channels="a", keep=keep)
+    cfg = dict(max_new_tokens=24, gamma=3, draft=kind, lookup=False)
+    ar = generate(bb, PROMPT, Autoregressive(), **cfg).token_ids
+    spec = generate(bb, PROMPT, Static(skip), **cfg)
+    assert spec.token_ids == ar == hf_greedy(bb, bb.encode(PROMPT), 24)[:len(ar)]
+    assert sum(s.accepted for s in spec.steps) > 0 and f"{keep:.0%} of MLP channels" in spec.start.draft
+
+
+def test_an_unknown_ranking_is_a_clear_error(ranked):
+    with pytest.raises(ValueError, match="no MLP channel ranking 'nope'"):
+        generate(ranked, PROMPT, Static(SkipSet(name="x", channels="nope", keep=0.5)), max_new_tokens=4)
+
+
+def test_the_ranking_puts_the_channels_that_matter_first():
+    """Keeping the top half by importance drafts better than keeping the bottom half (it can fail)."""
+    bb = tiny_backbone()
+    data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
+                            continuation_tokens=12, max_prompt_tokens=48, progress=False)
+    imp = channel_importance(bb, data)
+    assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
+    r = ranking(imp)
+    bb.set_channel_ranks({"top": r, "bottom": r.flip(1)})
+    top = matchness(bb, SkipSet(channels="top", keep=0.5), data)
+    bottom = matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
+    assert top > bottom
+
+
+def test_the_pooled_ranking_weighs_every_domain_alike():
+    a = torch.tensor([[1.0, 0.0, 0.0]])
+    b = torch.tensor([[0.0, 100.0, 0.0]])            # a far larger scale must not drown `a`
+    assert torch.allclose(pooled({"a": a, "b": b}), torch.tensor([[1.0, 1.0, 0.0]]))
+
+
+def test_channel_calibration_end_to_end(tmp_path):
+    from ssd_core import calibration as cal_io
+    from ssd_core.calibration.build import calibrate
+    bb = tiny_backbone()
+    cal = calibrate(None, tmp_path / "ch", gamma=3, prompts_per_domain=4, held_out_per_domain=3,
+                    continuation_tokens=8, max_prompt_tokens=48, backbone=bb,
+                    profile_kw={"contexts": (16, 64), "verify_ks": (1, 2, 4), "repeats": 2},
+                    progress=False, umap=False, search_mode="channels", channel_keep=0.6)
+    assert cal.static == SkipSet(name=STATIC, channels=STATIC, keep=0.6)
+    assert cal.meta["settings"]["channel_keep"] == 0.6 and cal.meta["search"] == {}
+    for d in DOMAINS:
+        s = cal.domain_sets[d]
+        assert s.channels in (d, STATIC) and s.keep == 0.6 and not s.attn and not s.mlp
+        assert (s.channels == d) == cal.meta["check"][d]["passed"]
+    assert (tmp_path / "ch" / "channels.npz").exists()
+    fresh = tiny_backbone()
+    again = cal_io.load(tmp_path / "ch", fresh)
+    assert set(fresh.channel_ranks) == set(DOMAINS) | {STATIC}
+    assert all(torch.equal(fresh.channel_ranks[k], bb.channel_ranks[k]) for k in fresh.channel_ranks)
+    prompt = "Translate German to English: Guten Morgen."
+    ar = generate(fresh, prompt, Autoregressive(), max_new_tokens=16).token_ids
+    for name in ("static", "knn", "oracle"):
+        g = generate(fresh, prompt, again.strategy(name, gamma=3, category="translation"), max_new_tokens=16, gamma=3)
+        assert g.token_ids == ar, name
+    (tmp_path / "ch" / "channels.npz").write_bytes(b"changed")
+    with pytest.raises(cal_io.CalibrationError, match="checksum"):
+        cal_io.load(tmp_path / "ch", tiny_backbone())
