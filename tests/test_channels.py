@@ -9,7 +9,6 @@ from ssd_core.calibration.channels import STATIC, channel_importance, pooled, ra
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.calibration.matchness import build_match_data, matchness
 from ssd_core.engine.backbone import EMPTY
-from ssd_core.engine.draft import DraftWeights
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet
 from ssd_core.policies.ar import Autoregressive
@@ -140,3 +139,10 @@ def test_channel_calibration_end_to_end(tmp_path):
     (tmp_path / "ch" / "channels.npz").write_bytes(b"changed")
     with pytest.raises(cal_io.CalibrationError, match="checksum"):
         cal_io.load(tmp_path / "ch", tiny_backbone())
+
+
+def test_a_cut_draft_shares_the_head_and_attention_of_its_base(ranked):
+    base = ranked.draft_weights("int8", small_head=False)
+    cut = ranked.draft_weights("int8", small_head=False, skip=SkipSet(channels="a", keep=0.5))
+    assert cut.head is base.head and base.channels is None and cut.channels == ("a", 0.5)
+    assert all(c.wqkv is b.wqkv and c.wo is b.wo and c.wgu is not b.wgu for c, b in zip(cut.layers, base.layers))

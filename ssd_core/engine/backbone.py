@@ -281,12 +281,12 @@ class Backbone:
         channels = skip.channel_key if skip is not None else None
         if kind == "fp32" and not head and channels is None:
             return None
-        key = (kind, head, channels)
+        base, key = (kind, head, None), (kind, head, channels)
         with self._lock:                 # built once (≈ 0.6 s for int8 on 2 cores), shared by all sessions
-            if key not in self._drafts:
-                kept = None if channels is None else self.kept_channels(*channels)
-                self._drafts[key] = DraftWeights(self, kind, self.draft_head_ids if head else None,
-                                                 channels=kept, channels_name=channels)
+            if base not in self._drafts:
+                self._drafts[base] = DraftWeights(self, kind, self.draft_head_ids if head else None)
+            if key not in self._drafts:  # a cut draft shares the base's head and attention weights
+                self._drafts[key] = self._drafts[base].cut(self, self.kept_channels(*channels), channels)
             return self._drafts[key]
 
     # --- sizes -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ and the acceptance rule stays exact because q is what the draft really sampled f
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,20 +112,18 @@ class _DraftLayer:
         self.bqkv = None if kernel else layer.bqkv     # CPU: inside the packed weights
 
     @staticmethod
-    def jobs(layer, kernel: bool, kept=None) -> list[tuple]:
-        """The (weight, bias) pairs to pack, in the order __init__ takes them (kept: the MLP channels)."""
-        return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None),
-                *((w, None) for w in mlp_weights(layer, kept))]
+    def jobs(layer, kernel: bool) -> list[tuple]:
+        """The (weight, bias) pairs to pack, in the order __init__ takes them."""
+        return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None), (layer.wgu, None),
+                (layer.wdown, None)]
 
 
-def mlp_weights(layer, kept=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's fused gate/up and down weights, cut to the `kept` MLP channels (None: all of them).
+def mlp_weights(layer, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's fused gate/up and down weights, cut to the `kept` MLP channels.
 
     A channel j is row j of gate and of up and column j of down: one intermediate neuron. Leaving it
     out removes its term silu(g_j)·u_j·down[:, j] from the MLP's output.
     """
-    if kept is None:
-        return layer.wgu, layer.wdown
     n = layer.wgu.shape[0] // 2
     return (torch.cat([layer.wgu[kept], layer.wgu[n + kept]]).contiguous(),
             layer.wdown[:, kept].contiguous())
@@ -154,19 +153,13 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None, int8_kernel: bool | None = None,
-                 channels=None, channels_name: tuple[str, float] | None = None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None, int8_kernel: bool | None = None):
         """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
-        False keeps dequantised int8-rounded weights instead (the path for CUDA).
-        channels: per layer, the MLP channel ids the draft keeps (Backbone.kept_channels), None → all;
-        channels_name: their (ranking, keep), for the label."""
+        False keeps dequantised int8-rounded weights instead (the path for CUDA)."""
         if kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
-        if channels is not None and len(channels) != backbone.n_layers:
-            raise ValueError(f"channels: one id list per layer ({backbone.n_layers}), got {len(channels)}")
         self.kind = kind
-        self.channels = channels_name if channels is not None else None
-        kept = channels if channels is not None else [None] * backbone.n_layers
+        self.channels: tuple[str, float] | None = None     # (ranking, keep) of a cut draft (cut())
         device = backbone.device
         self.kernel = device.type == "cpu" if int8_kernel is None else bool(int8_kernel)
         dtype = str(backbone.dtype).replace("torch.", "")
@@ -180,19 +173,35 @@ class DraftWeights:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
         if kind == "int8":              # the head first: the largest matrix, so the two threads end together
-            jobs = [(head_w, None)] + [job for layer, k in zip(backbone.layers, kept)
-                                       for job in _DraftLayer.jobs(layer, self.kernel, k)]
+            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in _DraftLayer.jobs(layer, self.kernel)]
             packed = _pack_all(jobs, self.kernel)
             self.layers = [_DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i], self.kernel)
                            for i, layer in enumerate(backbone.layers)]
             self.linear = _int8_linear if self.kernel else F.linear
             self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
         else:
-            self.layers = backbone.layers if channels is None else [
-                _DraftLayer(layer, [layer.wqkv, layer.wo, *mlp_weights(layer, k)], kernel=False)
-                for layer, k in zip(backbone.layers, kept)]
+            self.layers = backbone.layers
             self.linear = F.linear
             self.head = DraftHead(head_w, ids, backbone.vocab, F.linear)
+
+    def cut(self, backbone, kept: list, name: tuple[str, float]) -> "DraftWeights":
+        """This draft with every MLP cut to the `kept` channel ids of its layer (Backbone.kept_channels).
+
+        The head and the attention weights are this draft's own objects, shared; only the MLPs are
+        made anew (cut from the fp32 weights, then packed as this draft's kind packs). name: the
+        (ranking, keep) the label shows.
+        """
+        if len(kept) != backbone.n_layers:
+            raise ValueError(f"kept: one id list per layer ({backbone.n_layers}), got {len(kept)}")
+        mlps = [w for layer, k in zip(backbone.layers, kept) for w in mlp_weights(layer, k)]
+        int8 = self.kind == "int8"
+        if int8:
+            mlps = _pack_all([(w, None) for w in mlps], self.kernel)
+        out = copy.copy(self)
+        out.channels = name
+        out.layers = [_DraftLayer(d, [d.wqkv, d.wo, *mlps[2 * i:2 * i + 2]], self.kernel and int8)
+                      for i, d in enumerate(self.layers)]
+        return out
 
     @property
     def label(self) -> str:
@@ -205,9 +214,10 @@ class DraftWeights:
     def extra_bytes(self) -> int:
         """Memory the draft copy adds beside the fp32 weights (int8 weights + scales)."""
         if self.kind == "fp32" or not self.kernel:     # fp32 (head, cut MLPs) or dequantised copies
-            weights = [w for layer in self.layers for w in (
-                (layer.wgu, layer.wdown) if self.kind == "fp32" else (layer.wqkv, layer.wo, layer.wgu, layer.wdown))
-                ] if self.kind != "fp32" or self.channels is not None else []
+            if self.kind == "fp32":                     # the model's own weights, but cut MLPs are copies
+                weights = [w for layer in self.layers for w in (layer.wgu, layer.wdown)] if self.channels else []
+            else:
+                weights = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.wgu, layer.wdown)]
             if self.kind != "fp32" or self.head.ids is not None:
                 weights.append(self.head.weight)
             return sum(int(w.numel()) * w.element_size() for w in weights)
