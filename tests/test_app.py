@@ -117,6 +117,20 @@ def test_layer_map_shows_the_set_in_use_above_every_domain_set(tiny_calibration)
     assert vlayers.layer_map(n).layout.annotations                     # nothing to show, said in words
 
 
+def test_layer_map_shows_a_channel_set_as_cut_mlps():
+    sets = {"qa": SkipSet(set(), set(), "qa", channels="qa", keep=0.7),
+            "math": SkipSet({1}, {2}, "math")}
+    fig = vlayers.layer_map(4, sets, None, in_use=sets["qa"], in_use_name="qa set", in_use_domain="qa")
+    labels = fig.layout.yaxis.ticktext
+    assert labels[1] == "mlp 0/4 · 70% ch" and labels[3] == "mlp 0/4 · 70% ch" and labels[5] == "mlp 1/4"
+    assert "keep 70% of channels" in fig.layout.title.text
+    top = fig.data[0]
+    assert set(top.z[0]) == {0} and set(top.z[1]) == {2}             # attn runs, every MLP cut (the tint)
+    assert "70% of its channels (qa ranking)" in top.text[1][0]
+    grid = vlayers.sets_grid(4, sets)
+    assert "pale = MLP channels cut" in grid.layout.title.text
+
+
 def test_cost_panel_shows_the_latency_models_numbers(tiny_calibration):
     lat, skip = tiny_calibration.latency, tiny_calibration.static
     b = lat.breakdown(skip, 0.6, 4, 64)

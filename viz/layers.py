@@ -17,20 +17,43 @@ def _discrete_scale(colors: list[str]) -> list:
     return scale
 
 
+def _tint(color: str, alpha: float = 0.4) -> str:
+    """A hex colour at `alpha` opacity: an MLP the draft runs with only part of its channels."""
+    h = color.lstrip("#")
+    if len(h) != 6:
+        return color
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
 def _rows(named_sets, n_layers: int):
-    """Heatmap rows (attn, mlp per set, top to bottom), their colour codes, labels and hover text."""
+    """Heatmap rows (attn, mlp per set, top to bottom), their colour codes, labels and hover text.
+
+    A skipped sublayer takes the set's colour; an MLP cut to part of its channels (a channel set,
+    SkipSet.channels) takes a light tint of it and the row label says the share kept.
+    """
     z, text, labels = [], [], []
     colors = [RUN]
     for name, skip, color in named_sets:
         colors.append(color)
         code = len(colors) - 1
+        cut = None
+        if skip.channels:
+            colors.append(_tint(color))
+            cut = len(colors) - 1
         for kind, idx, word in (("attn", skip.attn, "attention"), ("mlp", skip.mlp, "MLP")):
-            z.append([code if i in idx else 0 for i in range(n_layers)])
+            partial = cut is not None and kind == "mlp"
+            z.append([code if i in idx else (cut if partial else 0) for i in range(n_layers)])
             text.append([f"{name} set · layer {i} {word} · "
-                         f"{'skipped by the draft' if i in idx else 'runs in the draft'}"
+                         + ("skipped by the draft" if i in idx else
+                            f"runs in the draft with {skip.keep:.0%} of its channels "
+                            f"({skip.channels} ranking)" if partial else "runs in the draft")
                          for i in range(n_layers)])
             share = f"{len(idx)}/{n_layers}"
-            labels.append(f"<b>{name}</b> attn {share}" if kind == "attn" else f"mlp {share}")
+            if kind == "attn":
+                labels.append(f"<b>{name}</b> attn {share}")
+            else:
+                labels.append(f"mlp {share}" + (f" · {skip.keep:.0%} ch" if partial else ""))
     return z, text, labels, colors
 
 
@@ -87,7 +110,8 @@ def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_us
         traces = [_heatmap(rows, n_layers)[0]]
     if title is None:
         title = ("Layer map · coloured = skipped by each domain's draft" if in_use is None else
-                 f"Layer map · {draft or 'draft'}, {len(in_use.attn)} attn + {len(in_use.mlp)} MLP skipped")
+                 f"Layer map · {draft or 'draft'}, {len(in_use.attn)} attn + {len(in_use.mlp)} MLP skipped"
+                 + (f", MLPs keep {in_use.keep:.0%} of channels" if in_use.channels else ""))
     fig = go.Figure(data=traces, layout=base_layout(title, height))
     fig.update_layout(yaxis=_label_axis(labels), xaxis=_layer_axis(n_layers), margin=dict(l=8, r=8, t=44, b=8))
     if top and others:
@@ -152,7 +176,8 @@ def sets_grid(n_layers: int, domain_sets: dict, static=None, highlight: str | No
               height: int = 420) -> go.Figure:
     """Every domain's set side by side (the Domains & layer sets tab)."""
     fig = layer_map(n_layers, domain_sets, static, height=height,
-                    title="Each domain's skip set · coloured = skipped by the draft · grey = runs")
+                    title="Each domain's skip set · coloured = skipped by the draft · pale = MLP "
+                          "channels cut · grey = runs")
     if highlight:
         fig.update_layout(title_text=f"Each domain's skip set · this prompt was routed to {highlight}")
     return fig
