@@ -158,10 +158,12 @@ def test_stops_at_eos(tiny):
     # force EOS by making the strategy-independent model emit it: set its logit high via a bias
     old = tiny.lm_head[eos].clone()
     tiny.lm_head[eos] += 50.0
+    tiny.weights_changed()
     try:
         g = generate(tiny, "stop", Static(SkipSet({1}, set())), max_new_tokens=20)
     finally:
         tiny.lm_head[eos] = old
+        tiny.weights_changed()
     assert g.token_ids == (eos,)
 
 

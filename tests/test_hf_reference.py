@@ -60,6 +60,7 @@ def test_eos_is_handled_like_transformers():
     assert head.data_ptr() == tiny.lm_head.data_ptr()
     with torch.no_grad():
         head.data[eos] = head.data[free[2]] * 1.5
+    tiny.weights_changed()           # the verifier's prepacked copy (oneDNN kernel) is made again
     ref = hf_greedy(tiny, ids, 20)
     got = generate(tiny, ids, Autoregressive(), DecodeConfig(max_new_tokens=20)).token_ids
     assert ref[-1] == eos and len(ref) < 20

@@ -221,7 +221,7 @@ def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None
     mlp = max(1e-6, statistics.median(p["mlp_ms"] for p in points) / 1000)
     bare = statistics.median(p["bare_ms"] for p in points) / 1000
     x = torch.zeros(1, bb.hidden, dtype=bb.dtype, device=bb.device)
-    head_fn = (lambda: torch.nn.functional.linear(x, bb.lm_head)) if draft is None else (lambda: draft.head(x))
+    head_fn = (lambda: bb.head_logits(x)) if draft is None else (lambda: draft.head(x))
     head_times = []
     for _ in range(repeats):
         bb.sync()
@@ -268,7 +268,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     for k in sorted(verify):
         running = verify[k] = max(verify[k], running)
     machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "verify_context": ref}
+               "torch": torch.__version__, "verify_context": ref, "kernel": bb.kernel}
     points = full.pop("points")
     return LatencyModel(n_layers=bb.n_layers, verify=verify, measured=points, machine=machine,
                         drafts=kinds, device=device_label(bb.device), **full)

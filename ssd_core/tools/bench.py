@@ -135,7 +135,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     order = mix_order(list(questions), mix_ratio, seed)
     if not order:
         raise ValueError("no questions to run")
-    machine_info = machine()
+    machine_info = {**machine(), "kernel": backbone.kernel}
     t_run = time.perf_counter()
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     encoded = {id(q): backbone.encode(q.prompt, max_tokens=max_prompt_tokens) for q in order}

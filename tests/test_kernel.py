@@ -1,0 +1,89 @@
+"""The verifier's matmul kernel: oneDNN-prepacked fp32 weights vs F.linear on the weights as loaded.
+
+Prepacking changes only the summation order of the same fp32 arithmetic; these tests hold both kernels
+to each other and to transformers' `generate`, for autoregressive and speculative decoding.
+"""
+import pytest
+import torch
+
+from hf_reference import hf_greedy
+from ssd_core.engine.backbone import onednn_available
+from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.generate import generate
+from ssd_core.engine.skipset import SkipSet
+from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.static import Static
+from tiny import tiny_backbone
+
+needs_onednn = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
+                                  reason="this torch build has no oneDNN")
+PROMPTS = ["Translate German to English: Guten Morgen!", "Summarize: the bridge will be repaired.", "q"]
+
+
+def _logits(bb, ids):
+    """Prefill, then a 5-token verify-shaped pass: every row's logits."""
+    cache = bb.new_cache(256)
+    first = bb.prefill(ids, cache).logits
+    return torch.cat([first[None], bb.forward([5, 6, 7, 8, 9], cache, logits="all")])
+
+
+@needs_onednn
+def test_cpu_fp32_defaults_to_onednn_and_plain_is_selectable(monkeypatch):
+    monkeypatch.delenv("SSD_KERNEL", raising=False)
+    bb = tiny_backbone()
+    assert bb.kernel == "onednn"
+    bb.set_kernel("plain")
+    assert bb.kernel == "plain"
+    monkeypatch.setenv("SSD_KERNEL", "plain")
+    assert tiny_backbone().kernel == "plain"
+    with pytest.raises(ValueError, match="auto, plain or onednn"):
+        bb.set_kernel("fast")
+
+
+def test_onednn_needs_fp32_on_a_cpu():
+    assert not onednn_available(torch.device("cuda"), torch.float32)
+    assert not onednn_available(torch.device("cpu"), torch.bfloat16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_onednn_logits_match_plain(prompt):
+    bb = tiny_backbone()
+    ids = bb.encode(prompt)
+    bb.set_kernel("onednn")
+    fast = _logits(bb, ids)
+    bb.set_kernel("plain")
+    plain = _logits(bb, ids)
+    assert not torch.equal(fast, torch.zeros_like(fast))
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_both_kernels_decode_like_transformers():
+    """Greedy AR and speculative output, under each kernel, equal transformers' generate token for token."""
+    bb = tiny_backbone()
+    cfg = DecodeConfig(max_new_tokens=40, gamma=4)
+    for prompt in PROMPTS:
+        ids = bb.encode(prompt)
+        ref = hf_greedy(bb, ids, 40)
+        for kernel in ("onednn", "plain"):
+            bb.set_kernel(kernel)
+            for strategy in (Autoregressive(), Static(SkipSet(frozenset({0, 2}), frozenset({1, 3})))):
+                assert generate(bb, ids, strategy, cfg).token_ids == ref, (prompt, kernel, strategy)
+
+
+@needs_onednn
+def test_weights_changed_repacks_the_verifier():
+    """The packed copy is a copy: an in-place edit reaches the verifier only through weights_changed()."""
+    bb = tiny_backbone()
+    bb.set_kernel("onednn")
+    x = torch.randn(2, bb.hidden)
+    before = bb.head_logits(x)
+    with torch.no_grad():
+        bb.lm_head[7] += 10.0
+    assert torch.equal(bb.head_logits(x), before)          # the stale copy: what the call below fixes
+    bb.weights_changed()
+    after = bb.head_logits(x)
+    assert bb.kernel == "onednn"
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, bb.lm_head), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(after[:, 7], before[:, 7])
