@@ -34,10 +34,19 @@ class Prefill:
     embedding_all: torch.Tensor   # the same, pooled over the whole templated prompt
 
 
-def _rope(x, cos, sin):
-    """Rotary position embedding, rotate-half form (transformers' Llama layout)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+def _rope(x, cos, sin_rot):
+    """Rotary position embedding, rotate-half form (transformers' Llama layout).
+
+    rotate_half(x)·sin = cat(-x₂, x₁)·sin = roll(x, half)·sin_rot with sin_rot = cat(-sin₁, sin₂)
+    (`_signed_sin`): three ops instead of six, which matters for one-token steps on a CPU.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_rot)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated (what `_rope` multiplies the rolled x by)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
 class KVCache:
@@ -233,6 +242,7 @@ class Backbone:
         self.layers = layers
         self.max_positions = cos.shape[0]
         self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        self.sin_rot = _signed_sin(self.sin)
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.attn_params = self.layers[0].wqkv.numel() + self.layers[0].wo.numel()
@@ -389,7 +399,7 @@ class Backbone:
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")
         mask = self._causal_mask(p0, end) if window is None else self._window_mask(p0, end, window)
-        rope = (self.cos[p0:end], self.sin[p0:end])
+        rope = (self.cos[p0:end], self.sin_rot[p0:end])
         attn_skip, mlp_skip = skip.attn, skip.mlp
         x = self.embed[ids]
         for i, L in enumerate(layers):          # a skipped sublayer adds nothing: h stays h
@@ -419,16 +429,18 @@ class Backbone:
         T, end = x.shape[0], p0 + x.shape[0]
         H, Hk, hd, g = self.n_heads, self.n_kv, self.head_dim, self.group
         qkv = lin(F.rms_norm(x, (self.hidden,), L.ln1, self.eps), L.wqkv, L.bqkv)
-        q = _rope(qkv[:, :self.q_size].view(T, H, hd).transpose(0, 1), *rope)
-        k = _rope(qkv[:, self.q_size:self.q_size + self.kv_size].view(T, Hk, hd).transpose(0, 1), *rope)
+        qk = _rope(qkv[:, :self.q_size + self.kv_size].view(T, H + Hk, hd).transpose(0, 1), *rope)
+        q, k = qk[:H], qk[H:]                   # queries and keys rotated in one pass
         v = qkv[:, self.q_size + self.kv_size:].view(T, Hk, hd).transpose(0, 1)
         if own:
             keys, values = torch.cat([cache.k[i, :, :end], k], 1), torch.cat([cache.v[i, :, :end], v], 1)
         else:
             cache.k[i, :, p0:end], cache.v[i, :, p0:end] = k, v
             keys, values = cache.k[i, :, :end], cache.v[i, :, :end]
-        # GQA without copying K/V: the g query heads sharing a KV head become g·T rows
-        o = F.scaled_dot_product_attention(q.reshape(Hk, g * T, hd), keys, values, attn_mask=mask)
+        # GQA without copying K/V: the g query heads sharing a KV head become g·T rows. With a batch
+        # dimension PyTorch takes its fused CPU kernel (the 3-d call falls back to the unfused math
+        # path): half the time for one token on this CPU
+        o = F.scaled_dot_product_attention(q.reshape(1, Hk, g * T, hd), keys[None], values[None], attn_mask=mask)
         return lin(o.view(H, T, hd).transpose(0, 1).reshape(T, H * hd), L.wo)
 
     def _mlp(self, x, L: _Layer, lin):
