@@ -92,18 +92,40 @@ def test_an_unknown_ranking_is_a_clear_error(ranked):
         generate(ranked, PROMPT, Static(SkipSet(name="x", channels="nope", keep=0.5)), max_new_tokens=4)
 
 
-def test_the_ranking_puts_the_channels_that_matter_first():
+@pytest.mark.parametrize("tokens", ["continuation", "all"])
+def test_the_ranking_puts_the_channels_that_matter_first(tokens):
     """Keeping the top half by importance drafts better than keeping the bottom half (it can fail)."""
     bb = tiny_backbone()
     data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
                             continuation_tokens=12, max_prompt_tokens=48, progress=False)
-    imp = channel_importance(bb, data)
+    imp = channel_importance(bb, data, tokens)
     assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
     r = ranking(imp)
     bb.set_channel_ranks({"top": r, "bottom": r.flip(1)})
     top = matchness(bb, SkipSet(channels="top", keep=0.5), data)
     bottom = matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
     assert top > bottom
+
+
+def test_continuation_importance_leaves_the_prompt_out():
+    """"continuation" averages over the rows from the prompt's last token on; "all" over every row.
+    With a one-token continuation the former is the last two rows alone."""
+    bb = tiny_backbone()
+    data = build_match_data(bb, [PROMPT], continuation_tokens=1, max_prompt_tokens=48, progress=False)
+    seq, start = data.sequences[0], data.starts[0]
+    collect: list = []
+    bb.forward(seq, bb.new_cache(len(seq)), SkipSet.empty(), logits="none", collect=collect)
+    want = torch.zeros(bb.n_layers, bb.layers[0].wdown.shape[1])
+    for i, kind, h, _ in collect:
+        if kind == "mlp":
+            L = bb.layers[i]
+            gate, up = F.linear(F.rms_norm(
+                h[start - 1:], (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
+            want[i] = (F.silu(gate) * up).abs().mean(0) * L.wdown.norm(dim=0)
+    assert torch.allclose(channel_importance(bb, data, "continuation"), want, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(channel_importance(bb, data, "all"), want, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="tokens must be one of"):
+        channel_importance(bb, data, "prompt")
 
 
 def test_the_pooled_ranking_weighs_every_domain_alike():

@@ -21,23 +21,36 @@ from ..engine.skipset import SkipSet
 STATIC = "static"
 
 
+TOKENS = ("continuation", "all")     # which positions a channel's importance is averaged over
+
+
 @torch.inference_mode()
-def channel_importance(bb, data) -> torch.Tensor:
-    """(layers, channels): mean |silu(g)·u| · ‖down[:, j]‖ over every token of `data`'s sequences
-    (matchness.MatchData: prompt + the full model's continuation), from full-model passes."""
+def channel_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
+    """(layers, channels): mean |silu(g)·u| · ‖down[:, j]‖ over `data`'s sequences (matchness.MatchData:
+    prompt + the full model's continuation), from full-model passes.
+
+    tokens: "continuation" averages over the positions from the prompt's last token on (the rows whose
+    outputs are the continuation: what a draft computes while decoding); "all" over every position,
+    prompt included. Measured on SmolLM2-135M at keep 0.5 (calibration held-out split, int8 draft):
+    own-domain matchness 0.517 against the static set's 0.408 with "continuation", 0.491 against
+    0.386 with "all", and the qa set beat the static set on qa only with "continuation" (README).
+    """
+    if tokens not in TOKENS:
+        raise ValueError(f"tokens must be one of {', '.join(TOKENS)}, not {tokens!r}")
     total = torch.zeros(bb.n_layers, bb.layers[0].wdown.shape[1], dtype=torch.float64, device=bb.device)
-    tokens = 0
-    for seq in data.sequences:
+    count = 0
+    for seq, start in zip(data.sequences, data.starts):
         collect: list = []
         bb.forward(seq, bb.new_cache(len(seq)), SkipSet.empty(), logits="none", collect=collect)
+        lo = start - 1 if tokens == "continuation" else 0
         for i, kind, h, _ in collect:
             if kind == "mlp":
                 L = bb.layers[i]
-                gate, up = F.linear(F.rms_norm(h, (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
+                gate, up = F.linear(F.rms_norm(h[lo:], (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
                 total[i] += (F.silu(gate) * up).abs().sum(0).double()
-        tokens += len(seq)
+        count += len(seq) - lo
     norms = torch.stack([L.wdown.norm(dim=0) for L in bb.layers]).double()
-    return (total / max(tokens, 1) * norms).float()
+    return (total / max(count, 1) * norms).float()
 
 
 def pooled(importances: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -53,14 +66,15 @@ def ranking(importance: torch.Tensor) -> torch.Tensor:
     return torch.argsort(-importance, dim=1, stable=True)
 
 
-def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True):
-    """Rankings per domain and pooled (STATIC), and the sets that keep `keep` of each MLP by them.
+def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, tokens: str = "continuation"):
+    """Rankings per domain and pooled (STATIC), and the sets that keep `keep` of each MLP by them
+    (tokens: the positions importance is measured on, see channel_importance).
 
     Returns (ranks {name: (layers, channels) ids}, {domain: SkipSet}, static SkipSet).
     """
     from tqdm.auto import tqdm
 
-    imps = {d: channel_importance(bb, data) for d, data in tqdm(data_by_domain.items(), desc="channel importance",
+    imps = {d: channel_importance(bb, data, tokens) for d, data in tqdm(data_by_domain.items(), desc="channel importance",
                                                                disable=not progress)}
     ranks = {d: ranking(v) for d, v in imps.items()}
     ranks[STATIC] = ranking(pooled(imps))
