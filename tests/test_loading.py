@@ -19,7 +19,7 @@ PROMPT = "cached weights, same answers"
 
 
 def assert_same_backbone(a: Backbone, b: Backbone) -> None:
-    for name in ("embed", "lm_head", "norm", "cos", "sin"):
+    for name in ("embed", "lm_head", "norm", "cos", "sin_rot"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert len(a.layers) == len(b.layers)
     for la, lb in zip(a.layers, b.layers):

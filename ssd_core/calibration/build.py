@@ -218,7 +218,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     ranks, memo = None, None
     if search_mode == "channels":
         ranks, searched, static_skip = channel_sets(bb, search_data, channel_keep, progress=progress,
-                                                          tokens=channel_tokens)
+                                                    tokens=channel_tokens)
         bb.set_channel_ranks(ranks)
         results, static = {}, None
     else:

@@ -74,8 +74,8 @@ def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, t
     """
     from tqdm.auto import tqdm
 
-    imps = {d: channel_importance(bb, data, tokens) for d, data in tqdm(data_by_domain.items(), desc="channel importance",
-                                                               disable=not progress)}
+    imps = {d: channel_importance(bb, data, tokens)
+            for d, data in tqdm(data_by_domain.items(), desc="channel importance", disable=not progress)}
     ranks = {d: ranking(v) for d, v in imps.items()}
     ranks[STATIC] = ranking(pooled(imps))
     sets = {d: SkipSet(name=d, channels=d, keep=keep) for d in imps}

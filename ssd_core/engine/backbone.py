@@ -38,7 +38,7 @@ def _rope(x, cos, sin_rot):
     """Rotary position embedding, rotate-half form (transformers' Llama layout).
 
     rotate_half(x)·sin = cat(-x₂, x₁)·sin = roll(x, half)·sin_rot with sin_rot = cat(-sin₁, sin₂)
-    (`_signed_sin`): three ops instead of six, which matters for one-token steps on a CPU.
+    (`_signed_sin`): three ops instead of seven, which matters for one-token steps on a CPU.
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_rot)
 
@@ -241,8 +241,7 @@ class Backbone:
         self.vocab = self.lm_head.shape[0]
         self.layers = layers
         self.max_positions = cos.shape[0]
-        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
-        self.sin_rot = _signed_sin(self.sin)
+        self.cos, self.sin_rot = cos.to(self.dtype), _signed_sin(sin.to(self.dtype))   # what _rope reads
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.attn_params = self.layers[0].wqkv.numel() + self.layers[0].wo.numel()
