@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssd_core.calibration.channels import STATIC, channel_importance, pooled, ranking
+from ssd_core.calibration.channels import STATIC, channel_importance, channel_sets, pooled, ranking, taylor_importance
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.calibration.matchness import build_match_data, matchness
 from ssd_core.engine.backbone import EMPTY
@@ -105,6 +105,55 @@ def test_the_ranking_puts_the_channels_that_matter_first(tokens):
     top = matchness(bb, SkipSet(channels="top", keep=0.5), data)
     bottom = matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
     assert top > bottom
+
+
+def test_taylor_importance_is_the_first_order_change_of_the_targets_log_probability():
+    """With one scored row, importance[i, j] = |d log p(target) / d(scale of channel j of layer i at that
+    row)|: checked against a central finite difference in transformers' model (float64)."""
+    bb = tiny_backbone()
+    data = build_match_data(bb, [PROMPT], continuation_tokens=6, max_prompt_tokens=48, progress=False)
+    scored = torch.full_like(data.targets[0], -1)
+    scored[3] = data.targets[0][3]
+    one = data.with_targets([scored])
+    model, row = bb.hf_model.double(), data.starts[0] - 1 + 3     # float64, for the finite differences
+    flags = [p.requires_grad for p in model.parameters()]
+    imp = taylor_importance(bb, one)
+    assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
+    assert [p.requires_grad for p in bb.hf_model.parameters()] == flags     # the model is left as it was
+    assert all(p.grad is None for p in bb.hf_model.parameters())
+    seq, start = one.sequences[0], one.starts[0]
+
+    def logp(i, j, scale):
+        """log p(target) with channel j of layer i scaled at the scored row only."""
+        def hook(_module, args):
+            x = args[0].clone()
+            x[0, row, j] *= scale
+            return (x,)
+        handle = model.model.layers[i].mlp.down_proj.register_forward_pre_hook(hook)
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([seq])).logits[0, row]
+        finally:
+            handle.remove()
+        return float(torch.log_softmax(logits, -1)[int(scored[3])])
+
+    eps = 1e-2            # RMSNorm computes in float32: a smaller step drowns in its rounding
+    for i, j in [(0, int(imp[0].argmax())), (bb.n_layers - 1, int(imp[-1].argmax())), (2, 5)]:
+        slope = (logp(i, j, 1 + eps) - logp(i, j, 1 - eps)) / (2 * eps)
+        assert abs(slope) == pytest.approx(float(imp[i, j]), rel=1e-3, abs=1e-5)
+    with pytest.raises(ValueError, match="continuation"):
+        taylor_importance(bb, one, tokens="all")
+
+
+def test_taylor_rankings_draft_better_than_their_reverse():
+    bb = tiny_backbone()
+    data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
+                            continuation_tokens=12, max_prompt_tokens=48, progress=False)
+    ranks, sets, static = channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="taylor")
+    bb.set_channel_ranks({**ranks, "bottom": ranks["sql"].flip(1)})
+    assert matchness(bb, sets["sql"], data) > matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
+    with pytest.raises(ValueError, match="importance"):
+        channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="nope")
 
 
 def test_continuation_importance_leaves_the_prompt_out():

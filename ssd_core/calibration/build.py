@@ -31,7 +31,7 @@ from ..engine.loading import load_backbone
 from ..policies.knapspec import fit_kappa, prompt_similarity
 from . import artifact as cal_io
 from .candidates import ratio_count
-from .channels import TOKENS as CHANNEL_TOKENS, channel_sets
+from .channels import IMPORTANCE as CHANNEL_IMPORTANCE, TOKENS as CHANNEL_TOKENS, channel_sets
 from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
@@ -163,7 +163,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               skip_ratio: float = 0.25, check_margin: float = 0.02, resume: bool = True,
               device: str | torch.device = "auto", search_method: str | None = None,
               lookup_aware: bool = False, matchness_window: int | None = None,
-              channel_keep: float = 0.7, channel_tokens: str = "continuation") -> cal_io.Calibration:
+              channel_keep: float = 0.7, channel_tokens: str = "continuation",
+              channel_importance: str = "magnitude") -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
@@ -181,7 +182,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     search_mode "channels" searches nothing: every domain's set keeps the `channel_keep` share of each
     MLP's channels that matter most on its calibration prompts, the static set those that matter most
     over all domains (channels.py); no whole sublayer is skipped. channel_tokens: the positions a
-    channel's importance is measured on ("continuation", the default, or "all"; channels.TOKENS).
+    channel's importance is measured on ("continuation", the default, or "all"; channels.TOKENS);
+    channel_importance: how ("magnitude" or "taylor"; channels.IMPORTANCE).
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -218,7 +220,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     ranks, memo = None, None
     if search_mode == "channels":
         ranks, searched, static_skip = channel_sets(bb, search_data, channel_keep, progress=progress,
-                                                    tokens=channel_tokens)
+                                                    tokens=channel_tokens, importance=channel_importance)
         bb.set_channel_ranks(ranks)
         results, static = {}, None
     else:
@@ -311,7 +313,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      if search_mode == "matchness" else None, "check_margin": check_margin,
                      "lookup_aware": lookup_aware, "matchness_window": matchness_window,
                      "channel_keep": channel_keep if search_mode == "channels" else None,
-                     "channel_tokens": channel_tokens if search_mode == "channels" else None},
+                     "channel_tokens": channel_tokens if search_mode == "channels" else None,
+                     "channel_importance": channel_importance if search_mode == "channels" else None},
         "check": check,
         "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
@@ -361,6 +364,10 @@ def main(argv=None):
                     help="positions a channel's importance is averaged over in --search-mode channels: "
                          "the continuation (what a draft computes; the default, measured better) or "
                          "all, the prompt included")
+    ap.add_argument("--channel-importance", default="magnitude", choices=CHANNEL_IMPORTANCE,
+                    help="how a channel's importance is measured in --search-mode channels: magnitude, what "
+                         "it adds to the residual stream, or taylor, |activation × gradient| of the log-"
+                         "probability of the full model's next token (one backward pass per sequence)")
     ap.add_argument("--search-method", default=None, choices=SEARCH_METHODS,
                     help="how --search-mode matchness searches: greedy (default there: each "
                          "sublayer's importance, then build the set step by step and swap; --budget "
@@ -402,7 +409,8 @@ def main(argv=None):
                     search_method=args.search_method,
                     check_margin=args.check_margin, resume=not args.fresh, device=args.device,
                     lookup_aware=args.lookup_aware, matchness_window=args.matchness_window,
-                    channel_keep=args.channel_keep, channel_tokens=args.channel_tokens)
+                    channel_keep=args.channel_keep, channel_tokens=args.channel_tokens,
+                    channel_importance=args.channel_importance)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

@@ -22,6 +22,7 @@ STATIC = "static"
 
 
 TOKENS = ("continuation", "all")     # which positions a channel's importance is averaged over
+IMPORTANCE = ("magnitude", "taylor")  # how a channel's importance is measured (channel_sets)
 
 
 @torch.inference_mode()
@@ -53,6 +54,58 @@ def channel_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
     return (total / max(count, 1) * norms).float()
 
 
+def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
+    """(layers, channels): mean over `data`'s scored continuation rows r of |a_rj · ∂L/∂a_rj|, where a_rj
+    is channel j's activation silu(g_j)·u_j at row r and L the summed log-probability of the full
+    model's own next tokens (the targets) over the continuation.
+
+    A first-order estimate of how much dropping channel j changes the log-probability of the token the
+    draft must propose (the row's own target, so it is specific to what the domain's text predicts),
+    where channel_importance measures how much the channel writes whatever it writes. One forward and
+    backward pass of transformers' model of the same weights per sequence (calibration only).
+    Only continuation rows have a target, so tokens must be "continuation".
+    """
+    if tokens != "continuation":
+        raise ValueError(f"taylor importance is measured on the continuation's rows (they have targets), "
+                         f"not tokens={tokens!r}")
+    hf = bb.hf_model
+    acts: dict[int, torch.Tensor] = {}
+
+    def keep_input(i):
+        def hook(_module, args):
+            args[0].retain_grad()
+            acts[i] = args[0]
+        return hook
+
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(keep_input(i))
+             for i, layer in enumerate(hf.model.layers)]
+    embed = hf.get_input_embeddings().weight
+    was = [(p, p.requires_grad) for p in hf.parameters()]
+    total = torch.zeros(bb.n_layers, bb.layers[0].wdown.shape[1], dtype=torch.float64)
+    count = 0
+    try:
+        for p, _ in was:
+            p.requires_grad_(p is embed)       # one leaf that needs a gradient, so that a graph is built
+        for seq, start, target in zip(data.sequences, data.starts, data.targets):
+            scored = (target >= 0).to(embed.device)
+            with torch.enable_grad():
+                logits = hf(input_ids=torch.tensor([seq], device=embed.device)).logits[0, start - 1:-1]
+                logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, target.clamp(min=0)[:, None].to(embed.device))
+                (logp[:, 0] * scored).sum().backward()
+            for i, a in acts.items():
+                rows = slice(start - 1, len(seq) - 1)
+                total[i] += ((a[0, rows] * a.grad[0, rows]).abs() * scored[:, None]).sum(0).double().cpu()
+            count += int(scored.sum())
+            acts.clear()
+            embed.grad = None
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, flag in was:
+            p.requires_grad_(flag)
+    return (total / max(count, 1)).float().to(bb.device)
+
+
 def pooled(importances: dict[str, torch.Tensor]) -> torch.Tensor:
     """One importance for every domain at once (the static ranking): each domain's, normalised per
     layer to sum 1, summed, so that every domain weighs the same whatever its text lengths."""
@@ -66,15 +119,20 @@ def ranking(importance: torch.Tensor) -> torch.Tensor:
     return torch.argsort(-importance, dim=1, stable=True)
 
 
-def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, tokens: str = "continuation"):
+def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, tokens: str = "continuation",
+                 importance: str = "magnitude"):
     """Rankings per domain and pooled (STATIC), and the sets that keep `keep` of each MLP by them
-    (tokens: the positions importance is measured on, see channel_importance).
+    (tokens: the positions importance is measured on, see channel_importance; importance: IMPORTANCE,
+    channel_importance's magnitude or taylor_importance's first-order estimate).
 
     Returns (ranks {name: (layers, channels) ids}, {domain: SkipSet}, static SkipSet).
     """
     from tqdm.auto import tqdm
 
-    imps = {d: channel_importance(bb, data, tokens)
+    if importance not in IMPORTANCE:
+        raise ValueError(f"importance must be one of {', '.join(IMPORTANCE)}, not {importance!r}")
+    measure = channel_importance if importance == "magnitude" else taylor_importance
+    imps = {d: measure(bb, data, tokens)
             for d, data in tqdm(data_by_domain.items(), desc="channel importance", disable=not progress)}
     ranks = {d: ranking(v) for d, v in imps.items()}
     ranks[STATIC] = ranking(pooled(imps))
