@@ -119,6 +119,7 @@ def test_taylor_importance_is_the_first_order_change_of_the_targets_log_probabil
     flags = [p.requires_grad for p in model.parameters()]
     imp = taylor_importance(bb, one)
     assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
+    assert not imp.requires_grad                 # a plain tensor, not the tail of every pass's graph
     assert [p.requires_grad for p in bb.hf_model.parameters()] == flags     # the model is left as it was
     assert all(p.grad is None for p in bb.hf_model.parameters())
     seq, start = one.sequences[0], one.starts[0]

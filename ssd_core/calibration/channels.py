@@ -94,9 +94,10 @@ def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
                 logits = hf(input_ids=torch.tensor([seq], device=embed.device)).logits[0, start - 1:-1]
                 logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, target.clamp(min=0)[:, None].to(embed.device))
                 (logp[:, 0] * scored).sum().backward()
-            for i, a in acts.items():
-                rows = slice(start - 1, len(seq) - 1)
-                total[i] += ((a[0, rows] * a.grad[0, rows]).abs() * scored[:, None]).sum(0).double().cpu()
+            with torch.no_grad():            # the sums must not join (and keep alive) the graph
+                for i, a in acts.items():
+                    rows = slice(start - 1, len(seq) - 1)
+                    total[i] += ((a[0, rows] * a.grad[0, rows]).abs() * scored[:, None]).sum(0).double().cpu()
             count += int(scored.sum())
             acts.clear()
             embed.grad = None
