@@ -65,7 +65,7 @@ def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
     backward pass of transformers' model of the same weights per sequence (calibration only).
     Only continuation rows have a target, so tokens must be "continuation". Measured on SmolLM2-135M at
     keep 0.5 (held-out mixed stream, γ 4): routed sets draft as well as magnitude's (τ 2.32 vs 2.35),
-    the pooled static set worse (2.08 vs 2.15), at 4× the cost; so magnitude is the default (README).
+    the pooled static set worse (2.08 vs 2.15), at 3.6× the cost; so magnitude is the default (README).
     """
     if tokens != "continuation":
         raise ValueError(f"taylor importance is measured on the continuation's rows (they have targets), "
