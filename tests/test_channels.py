@@ -122,7 +122,7 @@ def test_taylor_importance_is_the_first_order_change_of_the_targets_log_probabil
     assert not imp.requires_grad                 # a plain tensor, not the tail of every pass's graph
     assert [p.requires_grad for p in bb.hf_model.parameters()] == flags     # the model is left as it was
     assert all(p.grad is None for p in bb.hf_model.parameters())
-    seq, start = one.sequences[0], one.starts[0]
+    seq = one.sequences[0]
 
     def logp(i, j, scale):
         """log p(target) with channel j of layer i scaled at the scored row only."""

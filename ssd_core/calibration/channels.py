@@ -22,7 +22,6 @@ STATIC = "static"
 
 
 TOKENS = ("continuation", "all")     # which positions a channel's importance is averaged over
-IMPORTANCE = ("magnitude", "taylor")  # how a channel's importance is measured (channel_sets)
 
 
 @torch.inference_mode()
@@ -90,13 +89,13 @@ def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
             p.requires_grad_(p is embed)       # one leaf that needs a gradient, so that a graph is built
         for seq, start, target in zip(data.sequences, data.starts, data.targets):
             scored = (target >= 0).to(embed.device)
+            rows = slice(start - 1, len(seq) - 1)          # the continuation's rows, as in the logits
             with torch.enable_grad():
-                logits = hf(input_ids=torch.tensor([seq], device=embed.device)).logits[0, start - 1:-1]
-                logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(1, target.clamp(min=0)[:, None].to(embed.device))
-                (logp[:, 0] * scored).sum().backward()
+                logits = hf(input_ids=torch.tensor([seq], device=embed.device)).logits[0, rows]
+                logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+                (logp.gather(1, target.clamp(min=0)[:, None].to(embed.device))[:, 0] * scored).sum().backward()
             with torch.no_grad():            # the sums must not join (and keep alive) the graph
                 for i, a in acts.items():
-                    rows = slice(start - 1, len(seq) - 1)
                     total[i] += ((a[0, rows] * a.grad[0, rows]).abs() * scored[:, None]).sum(0).double().cpu()
             count += int(scored.sum())
             acts.clear()
@@ -107,6 +106,11 @@ def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
         for p, flag in was:
             p.requires_grad_(flag)
     return (total / max(count, 1)).float().to(bb.device)
+
+
+# how a channel's importance is measured (channel_sets' `importance`)
+MEASURES = {"magnitude": channel_importance, "taylor": taylor_importance}
+IMPORTANCE = tuple(MEASURES)
 
 
 def pooled(importances: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -134,8 +138,7 @@ def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, t
 
     if importance not in IMPORTANCE:
         raise ValueError(f"importance must be one of {', '.join(IMPORTANCE)}, not {importance!r}")
-    measure = channel_importance if importance == "magnitude" else taylor_importance
-    imps = {d: measure(bb, data, tokens)
+    imps = {d: MEASURES[importance](bb, data, tokens)
             for d, data in tqdm(data_by_domain.items(), desc="channel importance", disable=not progress)}
     ranks = {d: ranking(v) for d, v in imps.items()}
     ranks[STATIC] = ranking(pooled(imps))
