@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssd_core.calibration.channels import STATIC, channel_importance, channel_sets, pooled, ranking, taylor_importance
+from ssd_core.calibration.channels import (STATIC, channel_importance, channel_means, channel_sets, means_by_ranking,
+                                          pooled, pooled_means, ranking, taylor_importance)
+from ssd_core.engine.draft import mlp_weights
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.calibration.matchness import build_match_data, matchness
 from ssd_core.engine.backbone import EMPTY
@@ -27,6 +29,19 @@ def ranked():
     gen = torch.Generator().manual_seed(1)
     bb.set_channel_ranks({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers]),
                           STATIC: torch.arange(inter).repeat(bb.n_layers, 1)})
+    return bb
+
+
+@pytest.fixture(scope="module")
+def compensated():
+    """A made-up ranking with the mean activations of a short text: its cut drafts add a bias."""
+    bb = tiny_backbone()
+    inter = bb.layers[0].wdown.shape[1]
+    gen = torch.Generator().manual_seed(2)
+    data = build_match_data(bb, ["Write a query that lists the orders."], continuation_tokens=8,
+                            max_prompt_tokens=48, progress=False)
+    bb.set_channel_ranks({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers])},
+                         {"a": channel_means(bb, data)})
     return bb
 
 
@@ -64,7 +79,7 @@ def test_a_channel_draft_is_the_mlp_without_the_dropped_neurons(ranked, kind):
         mask[k] = True
         wgu = L.wgu * torch.cat([mask, mask]).float()[:, None]           # dropped neurons: gate = up = 0
         layers.append(types.SimpleNamespace(ln1=L.ln1, ln2=L.ln2, wqkv=L.wqkv, bqkv=L.bqkv, wo=L.wo, wgu=wgu,
-                                            wdown=L.wdown))
+                                            wdown=L.wdown, bdown=None))
     zeroed = types.SimpleNamespace(layers=layers, linear=F.linear, head=lambda h: F.linear(h, bb.lm_head))
     ref = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=zeroed)
     full = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all")
@@ -77,14 +92,16 @@ def test_a_channel_draft_is_the_mlp_without_the_dropped_neurons(ranked, kind):
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
 @pytest.mark.parametrize("keep", [0.2, 0.7])
-def test_speculation_with_a_channel_set_is_lossless(ranked, kind, keep):
-    bb = ranked
+@pytest.mark.parametrize("which", ["ranked", "compensated"])
+def test_speculation_with_a_channel_set_is_lossless(request, which, kind, keep):
+    bb = request.getfixturevalue(which)
     skip = SkipSet(frozenset({2}), frozenset({1}), "a", channels="a", keep=keep)
     cfg = dict(max_new_tokens=24, gamma=3, draft=kind, lookup=False)
     ar = generate(bb, PROMPT, Autoregressive(), **cfg).token_ids
     spec = generate(bb, PROMPT, Static(skip), **cfg)
     assert spec.token_ids == ar == hf_greedy(bb, bb.encode(PROMPT), 24)[:len(ar)]
     assert sum(s.accepted for s in spec.steps) > 0 and f"{keep:.0%} of MLP channels" in spec.start.draft
+    assert ("mean added" in spec.start.draft) == (which == "compensated")
 
 
 def test_an_unknown_ranking_is_a_clear_error(ranked):
@@ -184,16 +201,20 @@ def test_the_pooled_ranking_weighs_every_domain_alike():
     assert torch.allclose(pooled({"a": a, "b": b}), torch.tensor([[1.0, 1.0, 0.0]]))
 
 
-def test_channel_calibration_end_to_end(tmp_path):
+@pytest.mark.parametrize("compensation", ["none", "mean"])
+def test_channel_calibration_end_to_end(tmp_path, compensation):
     from ssd_core import calibration as cal_io
     from ssd_core.calibration.build import calibrate
     bb = tiny_backbone()
     cal = calibrate(None, tmp_path / "ch", gamma=3, prompts_per_domain=4, held_out_per_domain=3,
                     continuation_tokens=8, max_prompt_tokens=48, backbone=bb,
                     profile_kw={"contexts": (16, 64), "verify_ks": (1, 2, 4), "repeats": 2},
-                    progress=False, umap=False, search_mode="channels", channel_keep=0.6)
+                    progress=False, umap=False, search_mode="channels", channel_keep=0.6,
+                    channel_compensation=compensation)
     assert cal.static == SkipSet(name=STATIC, channels=STATIC, keep=0.6)
     assert cal.meta["settings"]["channel_keep"] == 0.6 and cal.meta["search"] == {}
+    assert cal.meta["settings"]["channel_compensation"] == compensation
+    assert (tmp_path / "ch" / "channel_means.npz").exists() == (compensation == "mean")
     for d in DOMAINS:
         s = cal.domain_sets[d]
         assert s.channels in (d, STATIC) and s.keep == 0.6 and not s.attn and not s.mlp
@@ -203,11 +224,15 @@ def test_channel_calibration_end_to_end(tmp_path):
     again = cal_io.load(tmp_path / "ch", fresh)
     assert set(fresh.channel_ranks) == set(DOMAINS) | {STATIC}
     assert all(torch.equal(fresh.channel_ranks[k], bb.channel_ranks[k]) for k in fresh.channel_ranks)
+    assert set(fresh.channel_means) == (set(fresh.channel_ranks) if compensation == "mean" else set())
+    assert all(torch.allclose(fresh.channel_means[k], bb.channel_means[k]) for k in fresh.channel_means)
     prompt = "Translate German to English: Guten Morgen."
     ar = generate(fresh, prompt, Autoregressive(), max_new_tokens=16).token_ids
     for name in ("static", "knn", "oracle"):
         g = generate(fresh, prompt, again.strategy(name, gamma=3, category="translation"), max_new_tokens=16, gamma=3)
         assert g.token_ids == ar, name
+    with pytest.raises(ValueError, match="channel_compensation must be one of"):
+        calibrate(None, tmp_path / "no", backbone=bb, search_mode="channels", channel_compensation="median")
     (tmp_path / "ch" / "channels.npz").write_bytes(b"changed")
     with pytest.raises(cal_io.CalibrationError, match="checksum"):
         cal_io.load(tmp_path / "ch", tiny_backbone())
@@ -218,3 +243,93 @@ def test_a_cut_draft_shares_the_head_and_attention_of_its_base(ranked):
     cut = ranked.draft_weights("int8", small_head=False, skip=SkipSet(channels="a", keep=0.5))
     assert cut.head is base.head and base.channels is None and cut.channels == ("a", 0.5)
     assert all(c.wqkv is b.wqkv and c.wo is b.wo and c.wgu is not b.wgu for c, b in zip(cut.layers, base.layers))
+
+
+def _activations(bb, x, L):
+    gate, up = F.linear(F.rms_norm(x, (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def test_a_compensated_cut_mlp_adds_the_dropped_channels_mean():
+    """At a row whose activations are the means, the cut MLP plus its bias is the full MLP; without
+    the bias it is not (the dropped channels' share is missing)."""
+    bb = tiny_backbone()
+    L = bb.layers[1]
+    x = torch.randn(1, bb.hidden, generator=torch.Generator().manual_seed(3))
+    a = _activations(bb, x, L)[0]
+    kept = torch.arange(0, a.numel(), 3)
+    wgu, wdown, bias = mlp_weights(L, kept, a)
+    cut = types.SimpleNamespace(ln2=L.ln2, wgu=wgu, wdown=wdown, bdown=bias)
+    full = bb._mlp(x, L, F.linear)
+    assert torch.allclose(bb._mlp(x, cut, F.linear), full, atol=1e-5)
+    assert not torch.allclose(bb._mlp(x, types.SimpleNamespace(ln2=L.ln2, wgu=wgu, wdown=wdown, bdown=None),
+                                      F.linear), full, atol=1e-3)
+    assert mlp_weights(L, kept)[2] is None
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_a_compensated_draft_is_the_cut_draft_plus_the_bias(compensated, kind):
+    """The whole draft: what a model with the dropped neurons zeroed and the bias added computes."""
+    bb = compensated
+    skip = SkipSet(name="a", channels="a", keep=0.5)
+    draft = bb.draft_weights(kind, small_head=False, skip=skip)
+    assert draft.compensated and "dropped ones' mean added" in draft.label
+    kept = bb.kept_channels("a", 0.5)
+    n = bb.layers[0].wdown.shape[1]
+    layers = []
+    for i, (L, k) in enumerate(zip(bb.layers, kept)):
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[k] = True
+        layers.append(types.SimpleNamespace(
+            ln1=L.ln1, ln2=L.ln2, wqkv=L.wqkv, bqkv=L.bqkv, wo=L.wo,
+            wgu=L.wgu * torch.cat([mask, mask]).float()[:, None], wdown=L.wdown,
+            bdown=L.wdown[:, ~mask] @ bb.channel_means["a"][i][~mask]))
+    ids = bb.encode(PROMPT).ids
+    run = lambda d: bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=d)
+    ref = run(types.SimpleNamespace(layers=layers, linear=F.linear, head=lambda h: F.linear(h, bb.lm_head)))
+    for L in layers:
+        L.bdown = None
+    plain = run(types.SimpleNamespace(layers=layers, linear=F.linear, head=lambda h: F.linear(h, bb.lm_head)))
+    out = run(draft)
+    if kind == "fp32":
+        assert torch.allclose(out, ref, atol=1e-4)
+    assert (out - ref).abs().mean() < (out - plain).abs().mean()
+
+
+def test_channel_means_are_the_continuations_mean_activation():
+    """Checked against transformers' model (hooks on down_proj's input): an independent forward."""
+    bb = tiny_backbone()
+    data = build_match_data(bb, [PROMPT, "Translate to French: the cat sleeps."], continuation_tokens=5,
+                            max_prompt_tokens=48, progress=False)
+    seen: dict = {}
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(i, args[0][0]))
+             for i, layer in enumerate(bb.hf_model.model.layers)]
+    total, rows = 0, 0
+    try:
+        with torch.no_grad():
+            for seq, start in zip(data.sequences, data.starts):
+                bb.hf_model(input_ids=torch.tensor([seq]))
+                total = total + torch.stack([seen[i][start - 1:].sum(0) for i in range(bb.n_layers)])
+                rows += len(seq) - start + 1
+    finally:
+        for h in hooks:
+            h.remove()
+    means = channel_means(bb, data)
+    assert torch.allclose(means, total / rows, atol=1e-5)
+    assert bool((means < 0).any())                       # signed, unlike the importance
+    by = means_by_ranking(bb, {"sql": data, "qa": data.with_targets(data.targets)}, progress=False)
+    assert set(by) == {"sql", "qa", STATIC} and torch.allclose(by[STATIC], means)
+    assert torch.allclose(pooled_means({"a": torch.zeros(2, 3), "b": torch.ones(2, 3)}), torch.full((2, 3), 0.5))
+
+
+def test_means_must_fit_an_installed_ranking():
+    bb = tiny_backbone()
+    r = torch.arange(bb.layers[0].wdown.shape[1]).repeat(bb.n_layers, 1)
+    with pytest.raises(ValueError, match="not installed"):
+        bb.set_channel_ranks({"a": r}, {"b": torch.zeros(r.shape)})
+    with pytest.raises(ValueError, match="mean activations 'a' has shape"):
+        bb.set_channel_ranks({"a": r}, {"a": torch.zeros(2, 3)})
+    bb.set_channel_ranks({"a": r}, {"a": torch.zeros(r.shape)})
+    assert bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
+    bb.set_channel_ranks({"a": r})                       # re-installed without: the cut drafts are rebuilt
+    assert not bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated

@@ -54,6 +54,8 @@ class Calibration:
     drafts: dict = field(default_factory=dict)
     # MLP channel rankings of sets that keep part of each MLP ({name: (layers, channels) ids}; channels.py)
     channel_ranks: dict | None = None
+    # their mean activations, for rankings whose cut drafts add the dropped channels' mean (channels.py)
+    channel_means: dict | None = None
 
     # --- what strategies need ---------------------------------------------------------------------
     def acceptance(self, kind: str = "fp32") -> dict[str, float]:
@@ -216,7 +218,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 # --- save / load ---------------------------------------------------------------------------------
-CHECKSUMMED = ("router.npz", "domain_map.npz", "umap.joblib", "channels.npz")
+CHECKSUMMED = ("router.npz", "domain_map.npz", "umap.joblib", "channels.npz", "channel_means.npz")
 
 
 def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict | None = None) -> Path:
@@ -238,6 +240,10 @@ def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict
             with stage.open("channels.npz") as f:
                 np.savez_compressed(f, **{k: np.asarray(v.cpu() if hasattr(v, "cpu") else v, dtype=np.int16)
                                           for k, v in cal.channel_ranks.items()})
+        if cal.channel_means:
+            with stage.open("channel_means.npz") as f:
+                np.savez_compressed(f, **{k: np.asarray(v.cpu() if hasattr(v, "cpu") else v, dtype=np.float32)
+                                          for k, v in cal.channel_means.items()})
         for name, obj in (extra_json or {}).items():
             with stage.open(name, "w", encoding="utf-8") as f:
                 json.dump(obj, f)
@@ -289,23 +295,26 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
     try:
         with np.load(folder / "router.npz", allow_pickle=False) as z:
             router = Router.from_arrays({k: z[k] for k in z.files}, doc["router"])
-        ranks = None
+        ranks = means = None
         if "channels.npz" in meta.get("files", {}):
             with np.load(folder / "channels.npz", allow_pickle=False) as z:
                 ranks = {k: z[k].astype(np.int64) for k in z.files}
+        if "channel_means.npz" in meta.get("files", {}):
+            with np.load(folder / "channel_means.npz", allow_pickle=False) as z:
+                means = {k: z[k] for k in z.files}
         cal = Calibration(
             meta=meta, latency=LatencyModel.from_dict(doc["latency"]),
             domain_sets={d: SkipSet.from_dict(s) for d, s in doc["domain_sets"].items()},
             static=SkipSet.from_dict(doc["static"]), router=router, matchness=doc["matchness"],
             routing=doc.get("routing", {}), knapspec=doc.get("knapspec", {}), folder=folder,
-            drafts=doc.get("drafts", {}), channel_ranks=ranks)
+            drafts=doc.get("drafts", {}), channel_ranks=ranks, channel_means=means)
         missing = sorted({s.channels for s in [*cal.domain_sets.values(), cal.static]
                           if s.channels and s.channels not in (ranks or {})})
         if missing:
             raise ValueError(f"sets keep MLP channels by rankings {missing} that channels.npz lacks")
         if backbone is not None:               # the small draft head belongs to this model's calibration
             backbone.set_draft_head(cal.drafts.get("head", {}).get("ids"))
-            backbone.set_channel_ranks(ranks)
+            backbone.set_channel_ranks(ranks, means)
         return cal
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise CalibrationError(f"calibration at {folder} is incomplete or corrupt: {exc}") from exc

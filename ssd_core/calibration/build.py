@@ -31,7 +31,8 @@ from ..engine.loading import load_backbone
 from ..policies.knapspec import fit_kappa, prompt_similarity
 from . import artifact as cal_io
 from .candidates import ratio_count
-from .channels import IMPORTANCE as CHANNEL_IMPORTANCE, TOKENS as CHANNEL_TOKENS, channel_sets
+from .channels import COMPENSATION as CHANNEL_COMPENSATION, IMPORTANCE as CHANNEL_IMPORTANCE, \
+    TOKENS as CHANNEL_TOKENS, channel_sets, means_by_ranking
 from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
@@ -164,7 +165,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               device: str | torch.device = "auto", search_method: str | None = None,
               lookup_aware: bool = False, matchness_window: int | None = None,
               channel_keep: float = 0.7, channel_tokens: str = "continuation",
-              channel_importance: str = "magnitude") -> cal_io.Calibration:
+              channel_importance: str = "magnitude", channel_compensation: str = "mean") -> cal_io.Calibration:
     """Build every artefact. min_skip_ratio: least share of the 2·L sublayers a set must skip.
     device: where a model loaded here runs (auto|cpu|cuda; a given `backbone` stays where it is);
     the latency model is profiled there.
@@ -183,7 +184,9 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     MLP's channels that matter most on its calibration prompts, the static set those that matter most
     over all domains (channels.py); no whole sublayer is skipped. channel_tokens: the positions a
     channel's importance is measured on ("continuation", the default, or "all"; channels.TOKENS);
-    channel_importance: how ("magnitude" or "taylor"; channels.IMPORTANCE).
+    channel_importance: how ("magnitude" or "taylor"; channels.IMPORTANCE). channel_compensation "mean"
+    (the default): every cut MLP adds its dropped channels' mean activation output, each ranking's means
+    measured on the same prompts (channels.channel_means); "none" drops them.
 
     A skip set must skip something (else the draft is just the draft weights); with the int8 draft
     on a 2-core CPU every extra skipped sublayer costs more acceptance than it saves time, so the
@@ -191,6 +194,9 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     it. With that floor every domain of the default model got the same set (see the README).
     """
     search_method = search_method or default_method(search_mode)
+    if channel_compensation not in CHANNEL_COMPENSATION:     # before the long work, not after it
+        raise ValueError(f"channel_compensation must be one of {', '.join(CHANNEL_COMPENSATION)}, "
+                         f"not {channel_compensation!r}")
     t_start = time.perf_counter()
     timings = {}
     bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
@@ -217,11 +223,13 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     t = time.perf_counter()
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
-    ranks, memo = None, None
+    ranks, means, memo = None, None, None
     if search_mode == "channels":
         ranks, searched, static_skip = channel_sets(bb, search_data, channel_keep, progress=progress,
                                                     tokens=channel_tokens, importance=channel_importance)
-        bb.set_channel_ranks(ranks)
+        if channel_compensation == "mean":
+            means = means_by_ranking(bb, search_data, progress=progress)
+        bb.set_channel_ranks(ranks, means)
         results, static = {}, None
     else:
         static_per_domain = static_share(prompts_per_domain, len(splits))
@@ -314,7 +322,8 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
                      "lookup_aware": lookup_aware, "matchness_window": matchness_window,
                      "channel_keep": channel_keep if search_mode == "channels" else None,
                      "channel_tokens": channel_tokens if search_mode == "channels" else None,
-                     "channel_importance": channel_importance if search_mode == "channels" else None},
+                     "channel_importance": channel_importance if search_mode == "channels" else None,
+                     "channel_compensation": channel_compensation if search_mode == "channels" else None},
         "check": check,
         "searched_sets": {d: s.to_dict() for d, s in searched.items()},
         "timings": {k: round(v, 1) for k, v in timings.items()},
@@ -329,7 +338,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     cal = cal_io.Calibration(meta=meta, latency=latency, domain_sets=domain_sets, static=static_skip,
                              router=router, matchness=matrix, routing=routing,
                              knapspec={"kappa": round(kappa, 4)}, folder=Path(out), drafts=drafts,
-                             channel_ranks=ranks)
+                             channel_ranks=ranks, channel_means=means)
     history = {name: r.to_dict() for name, r in [*results.items(), *([("static", static)] if static else [])]}
     cal_io.save(cal, out, domain_map, extra_json={"search_history.json": history})
     if memo is not None:
@@ -364,6 +373,10 @@ def main(argv=None):
                     help="positions a channel's importance is averaged over in --search-mode channels: "
                          "the continuation (what a draft computes; the default, measured better) or "
                          "all, the prompt included")
+    ap.add_argument("--channel-compensation", default="mean", choices=CHANNEL_COMPENSATION,
+                    help="in --search-mode channels, mean (the default, measured better): every cut MLP "
+                         "adds the mean output of the channels it drops (measured on the same prompts, "
+                         "per domain; pooled for the static set); none: drops them")
     ap.add_argument("--channel-importance", default="magnitude", choices=CHANNEL_IMPORTANCE,
                     help="how a channel's importance is measured in --search-mode channels: magnitude, what "
                          "it adds to the residual stream, or taylor, |activation × gradient| of the log-"
@@ -410,7 +423,8 @@ def main(argv=None):
                     check_margin=args.check_margin, resume=not args.fresh, device=args.device,
                     lookup_aware=args.lookup_aware, matchness_window=args.matchness_window,
                     channel_keep=args.channel_keep, channel_tokens=args.channel_tokens,
-                    channel_importance=args.channel_importance)
+                    channel_importance=args.channel_importance,
+                    channel_compensation=args.channel_compensation)
     print(json.dumps({"out": str(out), "timings": cal.meta["timings"], "routing": cal.routing,
                       "search": cal.meta["search"], "check": cal.meta["check"],
                       "matchness": cal.matchness}, indent=1))

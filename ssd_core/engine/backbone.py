@@ -84,6 +84,7 @@ class _Layer:
     """One decoder layer's weights, fused for fewer matmuls."""
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
+    bdown = None                        # the model's MLPs have no output bias (a draft's may: draft.py)
 
     def __init__(self, ln1, ln2, q, k, v, o, gate, up, down, qkv_bias=None):
         """Plain tensors; qkv_bias: the (q, k, v) biases, None where a projection has none."""
@@ -254,6 +255,8 @@ class Backbone:
         self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
         # the calibration's MLP channel rankings (name → (layers, channels) ids, most important first)
         self.channel_ranks: dict[str, torch.Tensor] = {}
+        # mean activations of rankings whose cut drafts replace dropped channels by their mean
+        self.channel_means: dict[str, torch.Tensor] = {}
         self._drafts: dict = {}
         self._lock = threading.Lock()   # guards the lazily built drafts and reference model
         self.kernel = ""                # the verifier's matmuls: "plain" or "onednn" (set_kernel)
@@ -307,16 +310,22 @@ class Backbone:
                 self.draft_head_ids = ids
                 self._drafts = {k: v for k, v in self._drafts.items() if not k[1]}
 
-    def set_channel_ranks(self, ranks: dict | None) -> None:
-        """Install a calibration's MLP channel rankings ({name: (layers, channels) ids}); None → none."""
+    def set_channel_ranks(self, ranks: dict | None, means: dict | None = None) -> None:
+        """Install a calibration's MLP channel rankings ({name: (layers, channels) ids}); None → none.
+        means: {name: (layers, channels) mean activations} for rankings whose cut drafts add their
+        dropped channels' mean (calibration/channels.py: channel_means); None → no ranking's do."""
         ranks = {str(k): torch.as_tensor(v, dtype=torch.long, device=self.device) for k, v in (ranks or {}).items()}
+        means = {str(k): torch.as_tensor(v, dtype=self.dtype, device=self.device) for k, v in (means or {}).items()}
         inter = self.layers[0].wdown.shape[1]
-        for name, r in ranks.items():
-            if r.shape != (self.n_layers, inter):
-                raise ValueError(f"channel ranking {name!r} has shape {tuple(r.shape)}; this model needs "
-                                 f"({self.n_layers}, {inter})")
+        for what, table in (("ranking", ranks), ("mean activations", means)):
+            for name, r in table.items():
+                if r.shape != (self.n_layers, inter):
+                    raise ValueError(f"channel {what} {name!r} has shape {tuple(r.shape)}; this model needs "
+                                     f"({self.n_layers}, {inter})")
+        if set(means) - set(ranks):
+            raise ValueError(f"mean activations for rankings that are not installed: {sorted(set(means) - set(ranks))}")
         with self._lock:
-            self.channel_ranks = ranks
+            self.channel_ranks, self.channel_means = ranks, means
             self._drafts = {k: v for k, v in self._drafts.items() if k[2] is None}
 
     def kept_channels(self, channels: str, keep: float) -> list[torch.Tensor]:
@@ -352,7 +361,8 @@ class Backbone:
             if base not in self._drafts:
                 self._drafts[base] = DraftWeights(self, kind, self.draft_head_ids if head else None)
             if key not in self._drafts:  # a cut draft shares the base's head and attention weights
-                self._drafts[key] = self._drafts[base].cut(self, self.kept_channels(*channels), channels)
+                self._drafts[key] = self._drafts[base].cut(self, self.kept_channels(*channels), channels,
+                                                           self.channel_means.get(channels[0]))
             return self._drafts[key]
 
     # --- sizes -------------------------------------------------------------------------------
@@ -445,7 +455,7 @@ class Backbone:
     def _mlp(self, x, L: _Layer, lin):
         """One SiLU-gated MLP sublayer's Δ (gate and up in one matmul)."""
         gate, up = lin(F.rms_norm(x, (self.hidden,), L.ln2, self.eps), L.wgu).chunk(2, -1)
-        return lin(F.silu(gate) * up, L.wdown)
+        return lin(F.silu(gate) * up, L.wdown, L.bdown)
 
     def _causal_mask(self, p0: int, end: int):
         """Queries at p0..end-1 over keys 0..end-1, repeated for the GQA group (None for one token)."""

@@ -101,15 +101,17 @@ def _pack_all(jobs: list[tuple], kernel: bool) -> list:
 
 
 class _DraftLayer:
-    """One decoder layer's draft weights: the same norms, int8 matmuls (CPU kernel: bias prepacked;
-    elsewhere the int8-rounded weights dequantised, with the bias kept apart)."""
+    """One decoder layer's draft weights: the same norms, int8 matmuls (CPU kernel: biases prepacked;
+    elsewhere the int8-rounded weights dequantised, with the biases kept apart). bdown: the MLP's
+    output bias, which only a mean-compensated cut MLP has (mlp_weights)."""
 
-    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
+    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "bdown")
 
-    def __init__(self, layer, packed: list, kernel: bool = True):
+    def __init__(self, layer, packed: list, kernel: bool = True, bdown: torch.Tensor | None = None):
         self.ln1, self.ln2 = layer.ln1, layer.ln2
         self.wqkv, self.wo, self.wgu, self.wdown = packed
         self.bqkv = None if kernel else layer.bqkv     # CPU: inside the packed weights
+        self.bdown = None if kernel else bdown
 
     @staticmethod
     def jobs(layer, kernel: bool) -> list[tuple]:
@@ -118,15 +120,22 @@ class _DraftLayer:
                 (layer.wdown, None)]
 
 
-def mlp_weights(layer, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's fused gate/up and down weights, cut to the `kept` MLP channels.
+def mlp_weights(layer, kept: torch.Tensor, mean: torch.Tensor | None = None):
+    """A layer's fused gate/up and down weights, cut to the `kept` MLP channels, and the down bias.
 
     A channel j is row j of gate and of up and column j of down: one intermediate neuron. Leaving it
-    out removes its term silu(g_j)·u_j·down[:, j] from the MLP's output.
+    out removes its term silu(g_j)·u_j·down[:, j] from the MLP's output. mean: the layer's mean
+    activation per channel (calibration/channels.py: channel_means); given, the dropped channels'
+    terms are replaced by their mean, down[:, dropped] @ mean[dropped], a constant bias (None without).
     """
     n = layer.wgu.shape[0] // 2
+    bias = None
+    if mean is not None:
+        dropped = torch.ones(n, dtype=torch.bool, device=kept.device)
+        dropped[kept] = False
+        bias = (layer.wdown[:, dropped].double() @ mean[dropped].double()).to(layer.wdown.dtype)
     return (torch.cat([layer.wgu[kept], layer.wgu[n + kept]]).contiguous(),
-            layer.wdown[:, kept].contiguous())
+            layer.wdown[:, kept].contiguous(), bias)
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,7 @@ class DraftWeights:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         self.kind = kind
         self.channels: tuple[str, float] | None = None     # (ranking, keep) of a cut draft (cut())
+        self.compensated = False            # a cut draft whose MLPs add the dropped channels' mean
         device = backbone.device
         self.kernel = device.type == "cpu" if int8_kernel is None else bool(int8_kernel)
         dtype = str(backbone.dtype).replace("torch.", "")
@@ -184,22 +194,27 @@ class DraftWeights:
             self.linear = F.linear
             self.head = DraftHead(head_w, ids, backbone.vocab, F.linear)
 
-    def cut(self, backbone, kept: list, name: tuple[str, float]) -> "DraftWeights":
+    def cut(self, backbone, kept: list, name: tuple[str, float], means: torch.Tensor | None = None) -> "DraftWeights":
         """This draft with every MLP cut to the `kept` channel ids of its layer (Backbone.kept_channels).
 
         The head and the attention weights are this draft's own objects, shared; only the MLPs are
         made anew (cut from the fp32 weights, then packed as this draft's kind packs). name: the
-        (ranking, keep) the label shows.
+        (ranking, keep) the label shows. means: (layers, channels) mean activations; given, each MLP
+        adds its dropped channels' mean output as a bias (mlp_weights), and the label says so.
         """
         if len(kept) != backbone.n_layers:
             raise ValueError(f"kept: one id list per layer ({backbone.n_layers}), got {len(kept)}")
-        mlps = [w for layer, k in zip(backbone.layers, kept) for w in mlp_weights(layer, k)]
+        cuts = [mlp_weights(layer, k, None if means is None else means[i])
+                for i, (layer, k) in enumerate(zip(backbone.layers, kept))]
         int8 = self.kind == "int8"
+        mlps = [(gu, down) for gu, down, _ in cuts]
         if int8:
-            mlps = _pack_all([(w, None) for w in mlps], self.kernel)
+            packed = _pack_all([job for gu, down, b in cuts for job in ((gu, None), (down, b))], self.kernel)
+            mlps = list(zip(packed[0::2], packed[1::2]))
         out = copy.copy(self)
         out.channels = name
-        out.layers = [_DraftLayer(d, [d.wqkv, d.wo, *mlps[2 * i:2 * i + 2]], self.kernel and int8)
+        out.compensated = means is not None
+        out.layers = [_DraftLayer(d, [d.wqkv, d.wo, *mlps[i]], self.kernel and int8, cuts[i][2])
                       for i, d in enumerate(self.layers)]
         return out
 
@@ -208,7 +223,8 @@ class DraftWeights:
         """Plain words for the UI: "int8 draft, 8k-token head"."""
         head = "" if self.head.ids is None else f", {self.head.size / 1000:.0f}k-token head"
         if self.channels is not None:
-            head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]})"
+            head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]}" + \
+                    (", dropped ones' mean added)" if self.compensated else ")")
         return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
     def extra_bytes(self) -> int:
