@@ -123,7 +123,11 @@ def test_layer_map_shows_a_channel_set_as_cut_mlps():
     fig = vlayers.layer_map(4, sets, None, in_use=sets["qa"], in_use_name="qa set", in_use_domain="qa")
     labels = fig.layout.yaxis.ticktext
     assert labels[1] == "mlp 0/4 · 70% ch" and labels[3] == "mlp 0/4 · 70% ch" and labels[5] == "mlp 1/4"
-    assert "keep 70% of channels" in fig.layout.title.text
+    assert "keep 70% of channels" in fig.layout.title.text and "skipped" not in fig.layout.title.text
+    label = "int8 draft, 70% of MLP channels (qa), the rest as their mean"     # long: a line of its own
+    named = vlayers.layer_map(4, sets, None, in_use=sets["qa"], in_use_name="qa set", draft=label)
+    assert [a.text for a in named.layout.annotations] == [label] and label not in named.layout.title.text
+    assert "1 attn + 1 MLP skipped" in vlayers.layer_map(4, sets, None, in_use=sets["math"]).layout.title.text
     top = fig.data[0]
     assert set(top.z[0]) == {0} and set(top.z[1]) == {2}             # attn runs, every MLP cut (the tint)
     assert "70% of its channels (qa ranking)" in top.text[1][0]

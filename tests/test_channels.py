@@ -101,7 +101,7 @@ def test_speculation_with_a_channel_set_is_lossless(request, which, kind, keep):
     spec = generate(bb, PROMPT, Static(skip), **cfg)
     assert spec.token_ids == ar == hf_greedy(bb, bb.encode(PROMPT), 24)[:len(ar)]
     assert sum(s.accepted for s in spec.steps) > 0 and f"{keep:.0%} of MLP channels" in spec.start.draft
-    assert ("mean added" in spec.start.draft) == (which == "compensated")
+    assert ("the rest as their mean" in spec.start.draft) == (which == "compensated")
 
 
 def test_an_unknown_ranking_is_a_clear_error(ranked):
@@ -273,7 +273,7 @@ def test_a_compensated_draft_is_the_cut_draft_plus_the_bias(compensated, kind):
     bb = compensated
     skip = SkipSet(name="a", channels="a", keep=0.5)
     draft = bb.draft_weights(kind, small_head=False, skip=skip)
-    assert draft.compensated and "dropped ones' mean added" in draft.label
+    assert draft.compensated and "50% of MLP channels (a), the rest as their mean" in draft.label
     kept = bb.kept_channels("a", 0.5)
     n = bb.layers[0].wdown.shape[1]
     layers = []

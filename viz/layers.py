@@ -108,12 +108,19 @@ def layer_map(n_layers: int, domain_sets: dict | None = None, static=None, in_us
         traces = [hm_top, hm_rest]
     else:
         traces = [_heatmap(rows, n_layers)[0]]
+    subtitle = title is None and in_use is not None and bool(draft)
     if title is None:
+        skipped = [f"{len(in_use.attn)} attn + {len(in_use.mlp)} MLP skipped"] \
+            if in_use is not None and (in_use.attn or in_use.mlp or not in_use.channels) else []
+        kept = [f"MLPs keep {in_use.keep:.0%} of channels"] if in_use is not None and in_use.channels else []
         title = ("Layer map · coloured = skipped by each domain's draft" if in_use is None else
-                 f"Layer map · {draft or 'draft'}, {len(in_use.attn)} attn + {len(in_use.mlp)} MLP skipped"
-                 + (f", MLPs keep {in_use.keep:.0%} of channels" if in_use.channels else ""))
+                 "Layer map · " + ", ".join(skipped + kept))
     fig = go.Figure(data=traces, layout=base_layout(title, height))
-    fig.update_layout(yaxis=_label_axis(labels), xaxis=_layer_axis(n_layers), margin=dict(l=8, r=8, t=44, b=8))
+    fig.update_layout(yaxis=_label_axis(labels), xaxis=_layer_axis(n_layers),
+                      margin=dict(l=8, r=8, t=58 if subtitle else 44, b=8))
+    if subtitle:                     # the draft's words under the title: a channel set's can be long
+        fig.add_annotation(text=draft, xref="paper", yref="paper", x=1, y=1, xanchor="right", yanchor="bottom",
+                           yshift=14, showarrow=False, font=dict(size=10, color=INK))
     if top and others:
         fig.add_hline(y=2 * len(top) - 0.5, line=dict(color=INK, width=1.5))
     return fig

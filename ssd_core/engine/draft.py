@@ -223,8 +223,8 @@ class DraftWeights:
         """Plain words for the UI: "int8 draft, 8k-token head"."""
         head = "" if self.head.ids is None else f", {self.head.size / 1000:.0f}k-token head"
         if self.channels is not None:
-            head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]}" + \
-                    (", dropped ones' mean added)" if self.compensated else ")")
+            head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]})" + \
+                    (", the rest as their mean" if self.compensated else "")
         return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
     def extra_bytes(self) -> int:
