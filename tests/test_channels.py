@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssd_core.calibration.channels import (STATIC, channel_importance, channel_means, channel_sets, means_by_ranking,
+from ssd_core.calibration.channels import (STATIC, channel_importance, channel_means, channel_sets,
                                           pooled, pooled_means, ranking, taylor_importance)
 from ssd_core.engine.draft import mlp_weights
 from ssd_core.calibration.domains import DOMAINS
@@ -167,7 +167,7 @@ def test_taylor_rankings_draft_better_than_their_reverse():
     bb = tiny_backbone()
     data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
                             continuation_tokens=12, max_prompt_tokens=48, progress=False)
-    ranks, sets, static = channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="taylor")
+    ranks, _, sets, static = channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="taylor")
     bb.set_channel_ranks({**ranks, "bottom": ranks["sql"].flip(1)})
     assert matchness(bb, sets["sql"], data) > matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
     with pytest.raises(ValueError, match="importance"):
@@ -317,8 +317,13 @@ def test_channel_means_are_the_continuations_mean_activation():
     means = channel_means(bb, data)
     assert torch.allclose(means, total / rows, atol=1e-5)
     assert bool((means < 0).any())                       # signed, unlike the importance
-    by = means_by_ranking(bb, {"sql": data, "qa": data.with_targets(data.targets)}, progress=False)
+    ranks, by, _, _ = channel_sets(bb, {"sql": data, "qa": data.with_targets(data.targets)}, 0.5, progress=False,
+                                   compensation="mean")
     assert set(by) == {"sql", "qa", STATIC} and torch.allclose(by[STATIC], means)
+    # the means are the continuation's whatever rows the ranking reads; none without compensation
+    assert torch.allclose(channel_sets(bb, {"sql": data}, 0.5, progress=False, tokens="all",
+                                       compensation="mean")[1]["sql"], means, atol=1e-5)
+    assert channel_sets(bb, {"sql": data}, 0.5, progress=False)[1] is None
     assert torch.allclose(pooled_means({"a": torch.zeros(2, 3), "b": torch.ones(2, 3)}), torch.full((2, 3), 0.5))
 
 

@@ -32,7 +32,7 @@ from ..policies.knapspec import fit_kappa, prompt_similarity
 from . import artifact as cal_io
 from .candidates import ratio_count
 from .channels import COMPENSATION as CHANNEL_COMPENSATION, IMPORTANCE as CHANNEL_IMPORTANCE, \
-    TOKENS as CHANNEL_TOKENS, channel_sets, means_by_ranking
+    TOKENS as CHANNEL_TOKENS, channel_sets
 from .domains import DOMAIN_DIR, domains_hash, load_prompts, split
 from .draft_calibration import draft_acceptance, head_for_domains, held_out_data
 from .latency import fit_report, profile
@@ -225,10 +225,9 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     min_skipped = int(np.ceil(min_skip_ratio * 2 * bb.n_layers)) if min_skip_ratio > 0 else 1
     ranks, means, memo = None, None, None
     if search_mode == "channels":
-        ranks, searched, static_skip = channel_sets(bb, search_data, channel_keep, progress=progress,
-                                                    tokens=channel_tokens, importance=channel_importance)
-        if channel_compensation == "mean":
-            means = means_by_ranking(bb, search_data, progress=progress)
+        ranks, means, searched, static_skip = channel_sets(
+            bb, search_data, channel_keep, progress=progress, tokens=channel_tokens,
+            importance=channel_importance, compensation=channel_compensation)
         bb.set_channel_ranks(ranks, means)
         results, static = {}, None
     else:

@@ -25,13 +25,16 @@ TOKENS = ("continuation", "all")     # which positions a channel's importance is
 COMPENSATION = ("none", "mean")      # what a cut MLP puts where its dropped channels were (channel_means)
 
 
-def _activation_sums(bb, data, tokens: str, value) -> torch.Tensor:
-    """(layers, channels) float64: the mean over `data`'s rows of value(a), a = silu(g)·u the MLP
-    channels' activations at a row, from full-model passes (tokens: which rows, channel_importance)."""
+def _activation_stats(bb, data, tokens: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One full-model pass per sequence of `data`, two (layers, channels) float64 means of the MLP
+    channels' activations a = silu(g)·u: |a| over the `tokens` rows (channel_importance) and a itself
+    over the continuation's rows (channel_means)."""
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {', '.join(TOKENS)}, not {tokens!r}")
-    total = torch.zeros(bb.n_layers, bb.layers[0].wdown.shape[1], dtype=torch.float64, device=bb.device)
-    count = 0
+    size = (bb.n_layers, bb.layers[0].wdown.shape[1])
+    magnitude = torch.zeros(size, dtype=torch.float64, device=bb.device)
+    signed = torch.zeros(size, dtype=torch.float64, device=bb.device)
+    rows = cont_rows = 0
     with torch.inference_mode():
         for seq, start in zip(data.sequences, data.starts):
             collect: list = []
@@ -41,9 +44,17 @@ def _activation_sums(bb, data, tokens: str, value) -> torch.Tensor:
                 if kind == "mlp":
                     L = bb.layers[i]
                     gate, up = F.linear(F.rms_norm(h[lo:], (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
-                    total[i] += value(F.silu(gate) * up).sum(0).double()
-            count += len(seq) - lo
-    return total / max(count, 1)
+                    a = F.silu(gate) * up
+                    magnitude[i] += a.abs().sum(0).double()
+                    signed[i] += a[start - 1 - lo:].sum(0).double()
+            rows += len(seq) - lo
+            cont_rows += len(seq) - start + 1
+    return magnitude / max(rows, 1), signed / max(cont_rows, 1)
+
+
+def _weighted(bb, magnitude: torch.Tensor) -> torch.Tensor:
+    """Mean |a| times the norm of down's column: the size of what each channel adds to the residual."""
+    return (magnitude * torch.stack([L.wdown.norm(dim=0) for L in bb.layers]).double()).float()
 
 
 def channel_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
@@ -56,8 +67,7 @@ def channel_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
     own-domain matchness 0.517 against the static set's 0.408 with "continuation", 0.491 against
     0.386 with "all", and the qa set beat the static set on qa only with "continuation" (README).
     """
-    norms = torch.stack([L.wdown.norm(dim=0) for L in bb.layers]).double()
-    return (_activation_sums(bb, data, tokens, torch.abs) * norms).float()
+    return _weighted(bb, _activation_stats(bb, data, tokens)[0])
 
 
 def channel_means(bb, data) -> torch.Tensor:
@@ -72,7 +82,7 @@ def channel_means(bb, data) -> torch.Tensor:
     matchness): own-domain sets 0.569 → 0.597, the static set with the pooled means 0.506 → 0.502; held-out
     mixed stream at γ 4: τ knn 2.35 → 2.40, static 2.15 → 2.17 (README, "The dropped channels' mean").
     """
-    return _activation_sums(bb, data, "continuation", lambda a: a).float()
+    return _activation_stats(bb, data, "continuation")[1].float()
 
 
 def taylor_importance(bb, data, tokens: str = "continuation") -> torch.Tensor:
@@ -156,31 +166,31 @@ def ranking(importance: torch.Tensor) -> torch.Tensor:
 
 
 def channel_sets(bb, data_by_domain: dict, keep: float, progress: bool = True, tokens: str = "continuation",
-                 importance: str = "magnitude"):
+                 importance: str = "magnitude", compensation: str = "none"):
     """Rankings per domain and pooled (STATIC), and the sets that keep `keep` of each MLP by them
     (tokens: the positions importance is measured on, see channel_importance; importance: IMPORTANCE,
-    channel_importance's magnitude or taylor_importance's first-order estimate).
+    channel_importance's magnitude or taylor_importance's first-order estimate; compensation:
+    COMPENSATION, "mean" also measures every ranking's mean activations, channel_means, the static
+    ranking's pooled). Magnitude and the means come from the same passes over the data.
 
-    Returns (ranks {name: (layers, channels) ids}, {domain: SkipSet}, static SkipSet).
+    Returns (ranks {name: (layers, channels) ids}, means {name: (layers, channels)} or None,
+    {domain: SkipSet}, static SkipSet).
     """
     from tqdm.auto import tqdm
 
     if importance not in IMPORTANCE:
         raise ValueError(f"importance must be one of {', '.join(IMPORTANCE)}, not {importance!r}")
-    imps = {d: MEASURES[importance](bb, data, tokens)
-            for d, data in tqdm(data_by_domain.items(), desc="channel importance", disable=not progress)}
+    if compensation not in COMPENSATION:
+        raise ValueError(f"compensation must be one of {', '.join(COMPENSATION)}, not {compensation!r}")
+    imps, means = {}, {}
+    for d, data in tqdm(data_by_domain.items(), desc="channel importance", disable=not progress):
+        if importance == "magnitude" or compensation == "mean":
+            magnitude, means[d] = _activation_stats(bb, data, tokens)
+        imps[d] = _weighted(bb, magnitude) if importance == "magnitude" else MEASURES[importance](bb, data, tokens)
     ranks = {d: ranking(v) for d, v in imps.items()}
     ranks[STATIC] = ranking(pooled(imps))
+    if compensation == "mean":
+        means = {d: m.float() for d, m in means.items()}
+        means[STATIC] = pooled_means(means)
     sets = {d: SkipSet(name=d, channels=d, keep=keep) for d in imps}
-    return ranks, sets, SkipSet(name=STATIC, channels=STATIC, keep=keep)
-
-
-def means_by_ranking(bb, data_by_domain: dict, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Mean activations for every ranking channel_sets makes: each domain's own (channel_means) and
-    the static ranking's pooled ones (pooled_means)."""
-    from tqdm.auto import tqdm
-
-    means = {d: channel_means(bb, data)
-             for d, data in tqdm(data_by_domain.items(), desc="channel means", disable=not progress)}
-    means[STATIC] = pooled_means(means)
-    return means
+    return ranks, means if compensation == "mean" else None, sets, SkipSet(name=STATIC, channels=STATIC, keep=keep)
