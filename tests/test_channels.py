@@ -1,10 +1,12 @@
 """Channel sets: drafts that keep part of every MLP, per-domain rankings, and their calibration."""
 import types
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ssd_core import calibration as cal_io
 from ssd_core.calibration.channels import (STATIC, channel_importance, channel_means, channel_sets,
                                           pooled, pooled_means, ranking, taylor_importance)
 from ssd_core.engine.draft import mlp_weights
@@ -338,3 +340,27 @@ def test_means_must_fit_an_installed_ranking():
     assert bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
     bb.set_channel_ranks({"a": r})                       # re-installed without: the cut drafts are rebuilt
     assert not bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "assets" / "calibration"
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in COMMITTED.iterdir() if p.is_dir()))
+def test_the_committed_artefacts_load(folder):
+    """Every committed artefact passes its checksums against today's domain prompts (a prompt file edited
+    without re-calibrating fails here, not in the app's banner)."""
+    cal = cal_io.load(COMMITTED / folder)
+    assert set(cal.domain_sets) == set(DOMAINS)
+
+
+def test_the_committed_channel_artefact_is_the_one_the_readme_describes():
+    """README "Rankings over the whole answer": keep 0.5, magnitude rankings over 64-token continuations,
+    the dropped channels' mean, every domain set past its check; a ranking and means for every domain
+    and the static set."""
+    cal = cal_io.load(COMMITTED / "smollm2-135m-instruct-channels")
+    s = cal.meta["settings"]
+    assert (s["search_mode"], s["channel_keep"], s["continuation_tokens"], s["channel_importance"],
+            s["channel_compensation"]) == ("channels", 0.5, 64, "magnitude", "mean")
+    assert all(c["passed"] for c in cal.meta["check"].values()) and set(cal.meta["check"]) == set(DOMAINS)
+    assert set(cal.channel_ranks) == set(cal.channel_means) == {*DOMAINS, STATIC}
+    assert all(cal.domain_sets[d].channels == d for d in DOMAINS) and cal.static.channels == STATIC
