@@ -382,3 +382,26 @@ def test_tau_ratio_pools_like_the_bench_and_bootstraps_over_prompts(tmp_path, ca
         tau_ratio.tau_ratio({1: [1]}, {2: [1]})
     tau_ratio.main([str(tmp_path), "--resamples", "200"])
     assert "= 1.333 over 2 prompts" in capsys.readouterr().out
+
+
+def test_results_md_states_the_routing_gain_and_how_gamma_was_chosen(tmp_path):
+    """The Benchmark tab's results.md gives τ(knn) / τ(static) with its interval (the same numbers as
+    python -m ssd_core.tools.tau_ratio) and τ(knn) / τ(oracle), and says whether γ was fixed."""
+    _answers(tmp_path / "knn.jsonl", {1: [2, 2], 2: [3, 1]})
+    _answers(tmp_path / "static.jsonl", {1: [1, 1], 2: [2, 2]})
+    _answers(tmp_path / "oracle.jsonl", {1: [2, 2], 2: [2, 2]})
+    answers = {n: specbench.load_answers(tmp_path / f"{n}.jsonl") for n in ("knn", "static", "oracle")}
+    assert tau_ratio.step_lengths(answers["knn"]) == tau_ratio.step_lengths(tmp_path / "knn.jsonl")
+    summary = {"model": "m", "order": [1, 2], "strategies": {}, "settings": {"gamma": 4, "adaptive_gamma": False}}
+    md = bench_figures.markdown_report(summary, answers)
+    r = tau_ratio.tau_ratio(tau_ratio.step_lengths(answers["knn"]), tau_ratio.step_lengths(answers["static"]))
+    lo, hi = r["ci95"]
+    assert "## KNN routing vs one static set" in md
+    assert f"= 2.000 / 1.500 = **1.333** over 2 prompts (95% paired bootstrap interval [{lo:.3f}, {hi:.3f}])" in md
+    assert "τ(knn) / τ(oracle) = 1.000" in md and "γ = 4 (fixed)" in md
+    summary["settings"]["adaptive_gamma"] = True
+    assert "γ ≤ 4 (adaptive)" in bench_figures.markdown_report(summary)
+    assert "vs one static set" not in bench_figures.markdown_report(summary)              # no answers given
+    assert "vs one static set" not in bench_figures.markdown_report(summary, {"knn": answers["knn"]})
+    del summary["settings"]["adaptive_gamma"]                                             # older runs
+    assert "γ: 4" in bench_figures.markdown_report(summary)

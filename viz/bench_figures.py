@@ -88,15 +88,42 @@ def routing_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def markdown_report(summary: dict) -> str:
-    """The bench's results.md: overall, per category, routing, and how the numbers were measured."""
+def _gamma(settings: dict) -> str:
+    """γ as the run used it: fixed, or the most the latency model may choose per step."""
+    g = settings.get("gamma")
+    if "adaptive_gamma" not in settings:                      # runs before the flag was recorded
+        return f"γ: {g}"
+    return f"γ ≤ {g} (adaptive)" if settings["adaptive_gamma"] else f"γ = {g} (fixed)"
+
+
+def routing_gain(answers: dict) -> str:
+    """KNN-SSD's claim in one paragraph: τ(knn) / τ(static) with a paired bootstrap over the prompts
+    (ssd_core.tools.tau_ratio), and τ(knn) / τ(oracle); "" unless the run has knn and static answers."""
+    from ssd_core.tools.tau_ratio import step_lengths, tau_ratio
+
+    if not (answers.get("knn") and answers.get("static")):
+        return ""
+    knn = step_lengths(answers["knn"])
+    r = tau_ratio(knn, step_lengths(answers["static"]))
+    lo, hi = r["ci95"]
+    text = (f"τ(knn) / τ(static) = {r['tau_a']:.3f} / {r['tau_b']:.3f} = **{r['ratio']:.3f}** over "
+            f"{r['prompts']} prompts (95% paired bootstrap interval [{lo:.3f}, {hi:.3f}])")
+    if answers.get("oracle"):
+        o = tau_ratio(knn, step_lengths(answers["oracle"]), resamples=1)
+        text += f"; τ(knn) / τ(oracle) = {o['ratio']:.3f}"
+    return text + ". τ counts the tokens each verification commits, so the verifier's own token is in both."
+
+
+def markdown_report(summary: dict, answers: dict | None = None) -> str:
+    """The bench's results.md: overall, per category, routing (with routing_gain when `answers`, the
+    strategies' answer records, are given), and how the numbers were measured."""
     hf = summary.get("hf_generate_tokens_per_s")
     bw = summary.get("ar_bandwidth_gb_s")
     lat = summary.get("settings", {}).get("latency_profiled_on")     # the CLI records it
     lines = [f"# Benchmark: {summary.get('model', '?')}", "",
              f"lossless: **{summary.get('lossless')}**  ·  prompts: {len(summary.get('order', []))}  ·  "
              f"max new tokens: {summary.get('settings', {}).get('max_new_tokens')}  ·  "
-             f"γ: {summary.get('settings', {}).get('gamma')}  ·  "
+             f"{_gamma(summary.get('settings', {}))}  ·  "
              f"mix ratio: {summary.get('settings', {}).get('mix_ratio')}  ·  "
              f"truncated prompts: {summary.get('truncated_prompts', 0)}", "",
              f"device: **{summary.get('device') or 'cpu'}**"          # runs before it was recorded: all CPU
@@ -112,6 +139,9 @@ def markdown_report(summary: dict) -> str:
     rt = routing_table(summary)
     if rt:
         lines += ["## KNN routing (prompts per domain)", "", rt, ""]
+    gain = routing_gain(answers or {})
+    if gain:
+        lines += ["## KNN routing vs one static set", "", gain, ""]
     defs = summary.get("definitions")
     if defs:
         lines += ["## Definitions", ""] + [f"- **{k}**: {v}" for k, v in defs.items()] + [""]
@@ -318,7 +348,7 @@ def render(folder, png: bool = True) -> dict:
     if bench_file.exists():
         summary = json.loads(bench_file.read_text(encoding="utf-8"))
         answers = {name: _answers(out / f"{name}.jsonl") for name in summary["strategies"]}
-        (out / "results.md").write_text(markdown_report(summary), encoding="utf-8")
+        (out / "results.md").write_text(markdown_report(summary, answers), encoding="utf-8")
         tables.append(overall_table(summary) + "\n\n" + category_table(summary))
         figs.update(bench_figures(summary, answers))
     if scaling_file.exists():

@@ -18,9 +18,11 @@ import numpy as np
 from .specbench import load_answers
 
 
-def step_lengths(path: Path) -> dict:
-    """question_id → the accept lengths (tokens per verification step) of its first turn."""
-    return {a["question_id"]: a["choices"][0]["accept_lengths"][0] for a in load_answers(path)}
+def step_lengths(answers) -> dict:
+    """question_id → the accept lengths (tokens per verification step) of its first turn; `answers` is a
+    Spec-Bench answer file or its records (specbench.load_answers)."""
+    rows = load_answers(answers) if isinstance(answers, (str, Path)) else answers
+    return {a["question_id"]: a["choices"][0]["accept_lengths"][0] for a in rows}
 
 
 def tau_ratio(a: dict, b: dict, resamples: int = 5000, goal: float | None = None, seed: int = 0) -> dict:
