@@ -372,6 +372,7 @@ def test_tau_ratio_pools_like_the_bench_and_bootstraps_over_prompts(tmp_path, ca
     r = tau_ratio.tau_ratio(tau_ratio.step_lengths(tmp_path / "knn.jsonl"),
                             tau_ratio.step_lengths(tmp_path / "static.jsonl"), resamples=400, goal=1.2)
     assert r["prompts"] == 2 and r["tau_a"] == 2.0 and r["tau_b"] == 1.5     # 8/4 and 6/4, pooled over steps
+    assert tau_ratio.pooled_tau(tau_ratio.step_lengths(tmp_path / "knn.jsonl")) == 13 / 5   # every prompt's steps
     assert r["ratio"] == pytest.approx(4 / 3)
     lo, hi = r["ci95"]
     assert lo < r["ratio"] < hi and lo == pytest.approx(1.0) and hi == pytest.approx(2.0)  # prompt 1 or 2 alone

@@ -15,6 +15,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from ssd_core.policies.registry import BASELINE
+from ssd_core.tools.tau_ratio import pooled_tau, step_lengths, tau_ratio
 
 from .theme import STRATEGY_COLOURS
 
@@ -99,8 +100,6 @@ def _gamma(settings: dict) -> str:
 def routing_gain(answers: dict) -> str:
     """KNN-SSD's claim in one paragraph: τ(knn) / τ(static) with a paired bootstrap over the prompts
     (ssd_core.tools.tau_ratio), and τ(knn) / τ(oracle); "" unless the run has knn and static answers."""
-    from ssd_core.tools.tau_ratio import step_lengths, tau_ratio
-
     if not (answers.get("knn") and answers.get("static")):
         return ""
     knn = step_lengths(answers["knn"])
@@ -109,8 +108,7 @@ def routing_gain(answers: dict) -> str:
     text = (f"τ(knn) / τ(static) = {r['tau_a']:.3f} / {r['tau_b']:.3f} = **{r['ratio']:.3f}** over "
             f"{r['prompts']} prompts (95% paired bootstrap interval [{lo:.3f}, {hi:.3f}])")
     if answers.get("oracle"):
-        o = tau_ratio(knn, step_lengths(answers["oracle"]), resamples=1)
-        text += f"; τ(knn) / τ(oracle) = {o['ratio']:.3f}"
+        text += f"; τ(knn) / τ(oracle) = {pooled_tau(knn) / pooled_tau(step_lengths(answers['oracle'])):.3f}"
     return text + ". τ counts the tokens each verification commits, so the verifier's own token is in both."
 
 

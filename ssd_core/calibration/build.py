@@ -354,7 +354,10 @@ def main(argv=None):
     ap.add_argument("--prompts-per-domain", type=int, default=10)
     ap.add_argument("--held-out-per-domain", type=int, default=6)
     ap.add_argument("--continuation-tokens", type=int, default=24,
-                    help="tokens of the full model's answer to each prompt that matchness is scored on (and, in channel mode, the rankings and means measured on); the channel artefact uses 64, the length the bench answers in: with 32 its sets beat the static set by less (README, 'Rankings over the whole answer')")
+                    help="tokens of the full model's answer to each prompt that matchness is scored on "
+                         "(and, in channel mode, the rankings and means measured on); the channel artefact "
+                         "uses 64, the length the bench answers in: with 32 its sets beat the static set by "
+                         "less (README, 'Rankings over the whole answer')")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-skip-ratio", type=float, default=0.03,

@@ -25,6 +25,12 @@ def step_lengths(answers) -> dict:
     return {a["question_id"]: a["choices"][0]["accept_lengths"][0] for a in rows}
 
 
+def pooled_tau(lengths: dict) -> float:
+    """τ as the bench pools it: tokens committed by every verification step ÷ steps, over all prompts."""
+    steps = [n for per in lengths.values() for n in per]
+    return sum(steps) / max(len(steps), 1)
+
+
 def tau_ratio(a: dict, b: dict, resamples: int = 5000, goal: float | None = None, seed: int = 0) -> dict:
     """Pooled τ(a) / τ(b) over the prompts both ran, with a paired 95% bootstrap interval."""
     ids = sorted(set(a) & set(b))
