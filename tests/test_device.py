@@ -221,7 +221,7 @@ def _clis(setup):
 
 def test_every_cli_takes_device_and_defaults_to_auto(cli_setup, capsys, monkeypatch):
     import app
-    monkeypatch.setattr(app, "load_studio", lambda *a, device=None, **k: _stop_loading(device=device))
+    monkeypatch.setattr(app.startup, "load_studio", lambda *a, device=None, **k: _stop_loading(device=device))
     auto = resolve_device("auto")
     for name, (main, argv) in _clis(cli_setup).items():
         got, _ = _cli(main, argv, capsys)
@@ -232,7 +232,7 @@ def test_every_cli_takes_device_and_defaults_to_auto(cli_setup, capsys, monkeypa
 
 def test_every_cli_refuses_cuda_without_cuda_before_loading(cli_setup, capsys, monkeypatch):
     import app
-    monkeypatch.setattr(app, "load_studio", lambda *a, device=None, **k: _stop_loading(device=device))
+    monkeypatch.setattr(app.startup, "load_studio", lambda *a, device=None, **k: _stop_loading(device=device))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name, (main, argv) in _clis(cli_setup).items():
         for bad, words in (("cuda", "CUDA is not available"), ("tpu", "unknown device")):

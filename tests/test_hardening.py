@@ -11,6 +11,7 @@ import pytest
 
 import app
 from viz import handlers
+from viz import startup
 from viz import studio as vstudio
 from viz.session import Session
 from ssd_core.engine.decode import DecodeConfig, Start, decode
@@ -43,7 +44,7 @@ GOOD = dict(domain=None, max_new=12, gamma=3, threshold=0.0, temperature=0.0, to
 
 @pytest.fixture(scope="module")
 def studio(tiny, tiny_calibration):
-    return vstudio.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    return startup.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
 
 
 def run_handler(studio, prompt, **kw):
@@ -111,8 +112,7 @@ def _free_port() -> int:
 def served(studio):
     demo = app.build(studio)
     port = _free_port()
-    demo.queue(default_concurrency_limit=4, max_size=app.QUEUE_SIZE).launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    app.launch(demo, studio, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     url = f"http://127.0.0.1:{port}"
     yield url
     demo.close()
@@ -206,7 +206,7 @@ def test_corrupt_calibration_falls_back_with_a_banner(tiny, tiny_calibration, tm
     bad = tmp_path / "assets" / "calibration" / "tiny"
     shutil.copytree(tiny_calibration.folder, bad)
     (bad / "router.npz").write_bytes(b"garbage")
-    st = vstudio.load_studio(backbone=tiny, calibration=bad, warm=False)
+    st = startup.load_studio(backbone=tiny, calibration=bad, warm=False)
     assert st.calibration is None
     assert "checksum mismatch" in st.cal_error
     # the banner names the file relative to the repo and never shows the repo's absolute path
@@ -217,7 +217,7 @@ def test_corrupt_calibration_falls_back_with_a_banner(tiny, tiny_calibration, tm
 
 
 def test_missing_calibration_falls_back(tiny, tmp_path):
-    st = vstudio.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
+    st = startup.load_studio(backbone=tiny, calibration=tmp_path / "none", warm=False)
     assert st.calibration is None and "python -m ssd_core.calibrate" in st.cal_error
 
 

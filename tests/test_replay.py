@@ -1,12 +1,16 @@
 """Traces in the app: every run downloads as a trace; a replay shows what the live run showed, without the
 model; a wrong file gets a message in the token panel."""
+import base64
 import json
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from ssd_core.engine.trace import Trace
 from viz import handlers
+from viz import startup
 from viz import studio as vstudio
 from viz import trace_handlers as th
 from viz import walk_handlers
@@ -17,12 +21,22 @@ SETTINGS = (PROMPT, "KNN-SSD", "translation", 32, 3, 0.0, 0.0, 1.0, 5)
 
 @pytest.fixture(scope="module")
 def studio(tiny, tiny_calibration):
-    return vstudio.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    return startup.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
 
 
 def last(outputs, name):
     value = [o[name] for o in outputs if name in o][-1]
-    return value.value if isinstance(value, vstudio.Update) else value
+    value = value.value if isinstance(value, vstudio.Update) else value
+    return saved(value) if name == "trace_file" else value
+
+
+def saved(link: str) -> str:
+    """What the browser does with the download link: the trace inside it, as a file (its path)."""
+    payload = re.search(r'href="data:application/json;base64,([^"]+)"', link)
+    assert payload, link
+    path = Path(tempfile.mkdtemp()) / re.search(r'download="([^"]+)"', link).group(1)
+    path.write_bytes(base64.b64decode(payload.group(1)))
+    return str(path)
 
 
 def spans(html: str) -> list[str]:

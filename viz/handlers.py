@@ -7,10 +7,13 @@ these dicts into Gradio's positional outputs in one place.
 """
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 
-from ssd_core.engine.decode import DecodeConfig, Start, decode
+from ssd_core.engine.decode import DecodeConfig, Start, decode, encode_for
 from ssd_core.engine.generate import generate as core_generate
+from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.stats import first_difference
 from viz import cost as vcost
@@ -18,8 +21,10 @@ from viz import stats as vstats
 from viz import tokens as vtok
 from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
                          map_fig, route_view, stats_view, tokens_view, trace_download, vocab)
-from viz.studio import (DEFAULT_DRAFT, LABELS, QUICK_CALIBRATION, STRATEGIES, Studio, Update, clean_prompt,
-                        load_map, make_config, make_strategy, problem, safe_k)
+from viz.studio import (DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, Update, clean_prompt, make_config,
+                        make_strategy, problem, public_message, safe_k)
+
+log = logging.getLogger("knn-ssd-studio")
 
 # what the Generate and Race handlers update, by name
 GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost",
@@ -75,33 +80,44 @@ def page_load(studio: Studio, built_with, session) -> dict:
 # --- the plain API -------------------------------------------------------------------------------------
 def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
                   gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
-                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT) -> dict:
-    """The plain API: one whole answer and its stats (gradio_client, the soak script and tests).
+                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT_LABEL, seed=None) -> dict:
+    """The plain API: one whole answer and its stats (gradio_client, the load test and tests).
 
     Bad input never raises: the answer is {"error": message} and the server keeps serving.
     """
-    err, cfg = problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p, draft))
+    err, cfg = problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p, draft,
+                                                   seed, max_new_cap=studio.limits.max_new_tokens))
     if err:
         return {"error": err}
-    name = STRATEGIES.get(strategy, strategy if strategy in STRATEGIES.values() else None)
+    name = STRATEGY_OF_LABEL.get(strategy, strategy if strategy in STRATEGY_OF_LABEL.values() else None)
     if name is None:
-        return {"error": f"unknown strategy {str(strategy)[:40]!r}; choose from {', '.join(STRATEGIES)}"}
+        return {"error": f"unknown strategy {str(strategy)[:40]!r}; choose from {', '.join(STRATEGY_OF_LABEL)}"}
     if studio.calibration is None:
         name = "ar"
-    g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
-                      make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
+    try:
+        g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
+                          make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
+    except Exception as exc:        # the model failed on this request: say so, keep serving
+        log.exception("generate_text failed")
+        return {"error": model_failed(exc)}
     st = g.stats
     return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
             "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
-            "truncated": g.start.truncated, "domain": g.start.domain}
+            "truncated": g.start.truncated, "domain": g.start.domain, "seed": cfg.seed}
+
+
+def model_failed(exc: Exception) -> str:
+    """What a visitor reads when decoding raised: the error in one line, no traceback, no server paths."""
+    return f"The model failed on this request ({type(exc).__name__}: {public_message(str(exc))[:300]})."
 
 
 # --- Generate and Race -------------------------------------------------------------------------------
-def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain, cfg: DecodeConfig, k: int):
+def _stream(studio: Studio, session: Session, prompt: str, strategy: str, domain, cfg: DecodeConfig, k: int,
+            note: str = ""):
     """Decode and yield view updates (dicts); the finished Run is left in session.run."""
-    cal_note = ""
+    cal_note = note
     if studio.calibration is None and strategy != "ar":
-        cal_note = "No calibration for this model yet, so this runs autoregressively. "
+        cal_note += "No calibration for this model yet, so this runs autoregressively. "
         strategy = "ar"
     bb = studio.backbone
     run = Run(prompt, strategy, cfg)
@@ -161,49 +177,68 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
     yield dict(tokens=tokens_view(studio, parts, done))
 
 
-def _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft):
-    """(error message, (config, K)) from the Generate tab's settings."""
-    return problem(prompt, lambda: (make_config(max_new, gamma, threshold, temperature, top_p, draft), safe_k(k)))
+def _request(studio: Studio, racing: bool, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed):
+    """(error message, (config, K, note)) from the Generate tab's settings. A Race decodes twice, so its laps
+    are capped shorter (the note says so when that shortens the request)."""
+    lim = studio.limits
+
+    def make():
+        cfg = make_config(max_new, gamma, threshold, temperature, top_p, draft, seed, max_new_cap=lim.max_new_tokens)
+        note = ""
+        if racing and cfg.max_new_tokens > lim.race_max_new_tokens:
+            cfg = replace(cfg, max_new_tokens=lim.race_max_new_tokens)
+            note = f"A Race runs twice, so each lap stops at {lim.race_max_new_tokens} tokens here. "
+        return cfg, safe_k(k), note
+    return problem(prompt, make)
 
 
 def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-             temperature, top_p, k, draft=DEFAULT_DRAFT):
+             temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
     """Generate: stream coloured tokens, stats and (when they change) the two figures."""
     yield from _speculate(studio, False, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-                          temperature, top_p, k, draft)
+                          temperature, top_p, k, draft, seed)
 
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-         temperature, top_p, k, draft=DEFAULT_DRAFT):
+         temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
     """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
     yield from _speculate(studio, True, session, prompt, strategy_label, domain, max_new, gamma, threshold,
-                          temperature, top_p, k, draft)
+                          temperature, top_p, k, draft, seed)
 
 
 def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, domain, max_new, gamma,
-               threshold, temperature, top_p, k, draft):
+               threshold, temperature, top_p, k, draft, seed=None):
     """Generate's and Race's shared body: check the request, stream the strategy; then the cost panel
-    (Generate) or the autoregressive lap and the lossless check (Race)."""
+    (Generate) or the autoregressive lap and the lossless check (Race). A decode that raises becomes a
+    message in the token panel; the server keeps serving."""
     session = get_session(session)
-    err, got = _request(prompt, max_new, gamma, threshold, temperature, top_p, k, draft)
+    err, got = _request(studio, racing, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed)
     if err:
         yield dict(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
         return
-    (cfg, k), strategy = got, STRATEGIES.get(strategy_label, "knn")
+    (cfg, k, note), strategy = got, STRATEGY_OF_LABEL.get(strategy_label, "knn")
     session.race = None
-    if racing:
-        if strategy == "ar":
-            strategy = "knn" if studio.calibration is not None else "ar"
-        yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
-    for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k)):
-        yield dict(session=session, **update)
-    if not racing:
-        cost, what_if_fig = cost_view(studio, session.run, None)
-        yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
-                   stats=stats_view(session.run, session.race),
-                   trace_file=trace_download(studio, session))
-        return
-    yield from _ar_lap(studio, session, prompt, cfg)
+    try:
+        if racing:
+            if strategy == "ar":
+                strategy = "knn" if studio.calibration is not None else "ar"
+            yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
+        for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k), note):
+            yield dict(session=session, **update)
+        if not racing:
+            cost, what_if_fig = cost_view(studio, session.run, None)
+            yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
+                       stats=stats_view(session.run, session.race),
+                       trace_file=trace_download(studio, session))
+            return
+        yield from _ar_lap(studio, session, prompt, cfg)
+    except Exception as exc:        # noqa: BLE001 - a visitor sees a sentence, the log keeps the traceback
+        log.exception("decode failed")
+        msg = model_failed(exc)
+        out = dict(session=session, tokens=vtok.stream_html("", placeholder=msg, status="⚠ " + msg))
+        if racing:
+            out["race"] = vstats.race_html(None, running="race stopped: the model failed")
+        yield out
 
 
 def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
@@ -227,10 +262,15 @@ def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
         return
     ids = run.token_ids
     same = tuple(ar_ids) == ids
+    where = None if same else first_difference(ar_ids, ids)
+    gap = None
+    if where is not None and cfg.greedy and where < min(len(ar_ids), len(ids)):   # how close was that choice?
+        prompt_ids = encode_for(studio.backbone, clean_prompt(prompt).strip(), cfg).ids
+        gap = logit_gap(studio.backbone, prompt_ids, ar_ids[:where]).gap
     session.race = vstats.RaceResult(
         strategy=LABELS[run.strategy], ar_tokens_per_s=len(ar_ids) / ar_time if ar_time else 0.0,
         tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ar_ids), tokens=len(ids),
-        identical=same if cfg.greedy else None, first_difference=None if same else first_difference(ar_ids, ids))
+        identical=same if cfg.greedy else None, first_difference=where, tie_gap=gap)
     cost, what_if_fig = cost_view(studio, run, session.race)
     yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
                cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))
@@ -261,7 +301,7 @@ def pick_example(studio: Studio, session, domain: str) -> dict:
 
 
 def strategy_changed(strategy_label) -> dict:
-    return dict(oracle_domain=Update(visible=STRATEGIES.get(strategy_label) == "oracle"))
+    return dict(oracle_domain=Update(visible=STRATEGY_OF_LABEL.get(strategy_label) == "oracle"))
 
 
 MAP_VIEWS = ("neighbourhood", "whole map")
@@ -289,21 +329,3 @@ def what_if(studio: Studio, session, gamma, verify) -> dict:
         alpha, label = acceptance_star(stats, int(gamma), cal.acceptance()["static"])
         return dict(what_if=vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big, label=label))
     return dict(what_if=vcost.what_if_figure(int(gamma), c, float(verify), alpha, c_big=c_big))
-
-
-# --- calibration -----------------------------------------------------------------------------------------
-def run_calibration(studio: Studio, progress) -> dict:
-    """Build a quick calibration for the loaded model (tqdm bars show as a progress bar), then load it."""
-    from ssd_core.calibration.build import calibrate
-    progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
-    try:
-        cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,
-                        **QUICK_CALIBRATION)
-    except Exception as exc:
-        return dict(banner=Update(value=banner(f"Calibration failed: {exc}"), visible=True),
-                    cal_btn=Update(visible=True))
-    dm, err = load_map(cal)
-    studio.install(cal, dm, err)
-    return dict(banner=Update(value=banner(f"Calibration written to {studio.cal_folder} and loaded: reload the "
-                                           "page to draft with it.", ok=True), visible=True),
-                cal_btn=Update(visible=False))

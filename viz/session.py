@@ -4,10 +4,9 @@ Each view takes the shared Studio and this session's last run and returns HTML o
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as _dt
-import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,13 +14,13 @@ from ssd_core.engine.decode import DecodeConfig, Start
 from ssd_core.engine.device import device_label
 from ssd_core.engine.generate import summarize
 from ssd_core.engine.skipset import SkipSet
-from ssd_core.engine.trace import record
+from ssd_core.engine.trace import Trace, record
 from viz import cost as vcost
 from viz import domain_map as vmap
 from viz import layers as vlayers
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.studio import LABELS, MAP_H, PLOT_H, Studio, Update
+from viz.studio import LABELS, MAP_H, PLOT_H, Studio
 
 
 # --- per-session state ---------------------------------------------------------------------------
@@ -57,9 +56,10 @@ class Run:
 
 @dataclass
 class Walk:
-    """Step-through state: a live decode advanced one step per click."""
+    """Step-through state: a finished run's steps, shown one phase per click. The steps are decoded at
+    Start (or come from a trace), so a walk holds no live decode, no KV cache and no model time."""
 
-    events: object
+    steps: tuple
     prompt: str
     skip_desc: str
     ids: list = field(default_factory=list)
@@ -68,6 +68,7 @@ class Walk:
     done: bool = False
     replay: object = None              # the Trace it walks, if it replays one (its token texts are used)
     pause: float = 0.9                 # auto-play: seconds between phases
+    next_index: int = 0                # the next of `steps` to show
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Session:
     stop: bool = False
     example_turn: dict = field(default_factory=dict)
     map_whole: bool = False          # the domain map's toggle: whole map instead of the prompt's neighbourhood
+    upload: tuple | None = None      # (upload path, parsed Trace): the last trace replayed (its file is gone)
 
 
 def vocab(studio: Studio, run: Run):
@@ -87,31 +89,34 @@ def vocab(studio: Studio, run: Run):
     return studio.backbone.token_str, studio.backbone.eos_ids
 
 
-# --- traces: a run kept as a file ----------------------------------------------------------------------
-TRACE_DIR = Path(tempfile.gettempdir()) / "knn-ssd-traces"
-
-
-def save_trace(studio: Studio, session) -> str | None:
-    """The session's last run as a trace file (its path), or None when there is no run to keep."""
+# --- traces: a run kept as a file, on the visitor's machine only -------------------------------------------
+def trace_of(studio: Studio, session) -> Trace | None:
+    """The session's last run as a Trace (a replay keeps its own), or None when there is no run to keep."""
     run = session.run
     if run is None or run.start is None:
         return None
-    trace = run.replay or record(
+    return run.replay or record(
         studio.backbone, run.prompt, run.strategy, run.config, run.start, run.steps, run.compute_s,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), app="KNN-SSD Studio",
         device=device_label(studio.backbone.device),
         calibration=Path(studio.cal_folder).name if studio.calibration is not None else None,   # no server paths
         stopped=bool(session.stop),
         race=dataclasses.asdict(session.race) if session.race is not None else None)
+
+
+DOWNLOAD_LABEL = "⤓ Download this run (trace .json)"
+
+
+def trace_download(studio: Studio, session) -> str:
+    """The download link after a run. The trace travels inside the link (a data: URL, ~50 KB for 96 tokens),
+    so the server writes no file and keeps nothing once the visitor leaves; without a run, a dimmed label."""
+    trace = trace_of(studio, session)
+    if trace is None:
+        return f'<span class="trace-link off" aria-disabled="true">{DOWNLOAD_LABEL}</span>'
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = TRACE_DIR / uuid.uuid4().hex[:8] / f"knn-ssd-trace-{trace.strategy}-{stamp}.json"
-    return str(trace.save(path))
-
-
-def trace_download(studio: Studio, session) -> Update:
-    """The download button after a run: its file, usable; unusable when there is nothing to keep."""
-    path = save_trace(studio, session)
-    return Update(value=path, interactive=path is not None)
+    payload = base64.b64encode(trace.to_json().encode("utf-8")).decode("ascii")
+    return (f'<a class="trace-link" download="knn-ssd-trace-{trace.strategy}-{stamp}.json" '
+            f'href="data:application/json;base64,{payload}">{DOWNLOAD_LABEL}</a>')
 
 
 def get_session(s) -> Session:

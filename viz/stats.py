@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ssd_core.engine.ties import NEAR_TIE
+
 from .tokens import escape
 
 
@@ -19,6 +21,7 @@ class RaceResult:
     tokens: int
     identical: bool | None        # None: sampling, where lossless means "same distribution"
     first_difference: int | None = None
+    tie_gap: float | None = None  # the full model's top-2 logit gap where the texts part (greedy only)
 
     @property
     def speedup(self) -> float:
@@ -106,6 +109,17 @@ def steps_strip_html(steps, last: int = 40) -> str:
             f'<div class="strip">{"".join(cols)}{empty}</div></div>')
 
 
+def difference_words(position: int | None, gap: float | None) -> str:
+    """Why two greedy texts part: a floating-point near-tie (say how close) or a real difference."""
+    where = f" at token {position + 1}" if position is not None else ""
+    if gap is not None and gap < NEAR_TIE:
+        return (f"≈ the texts part{where} at a near-tie: the model's two best next tokens there are {gap:.1e} "
+                "apart in logit, within float rounding of a 1-row pass (autoregressive) vs a multi-row pass "
+                "(verification); not a drafting error")
+    return f"✗ the texts differ{where}" + (f" (top-2 logit gap there {gap:.3g}: not a tie)" if gap is not None
+                                           else "")
+
+
 def race_html(race: RaceResult | None, *, running: str = "") -> str:
     """The race panel: both speeds as bars, the measured speedup, the lossless check."""
     if race is None:
@@ -124,7 +138,7 @@ def race_html(race: RaceResult | None, *, running: str = "") -> str:
     elif race.identical:
         verdict = "✓ identical text: speculation changed nothing but the speed"
     else:
-        verdict = "✗ the texts differ"
+        verdict = difference_words(race.first_difference, race.tie_gap)
     head = (f'<span class="race-speedup {speedup_class(race.speedup)}">{race.speedup:.2f}×</span> '
             f'<span class="race-verdict">{escape(verdict)}</span>')
     return f'<div class="race">{head}{"".join(rows)}</div>'

@@ -6,6 +6,7 @@ The app (app.py), the handlers (viz.handlers, viz.walk_handlers) and the tests i
 from __future__ import annotations
 
 import os
+import secrets
 
 # numba (UMAP) would otherwise load a second OpenMP runtime beside torch's, in a thread that runs while
 # torch decodes at start-up; its own work-queue layer is enough for placing one point at a time.
@@ -21,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ssd_core import calibration as cal_io
-from ssd_core.calibration.domains import load_prompts, split
 from ssd_core.engine.decode import DecodeConfig
-from ssd_core.engine.loading import load_backbone
 from ssd_core.policies import registry
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.specbench import load_answers
 from viz import domain_map as vmap
+from viz.limits import Limits
 
 log = logging.getLogger("knn-ssd-studio")
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,18 +35,17 @@ BENCH_DIR = ROOT / "assets" / "bench"
 # the strategies the UI offers, in its order; names and labels come from the one registry
 UI_ORDER = ("knn", "static", "knapspec", "oracle", "ar")
 LABELS = registry.LABELS
-STRATEGIES = {LABELS[n]: n for n in UI_ORDER}          # UI label → strategy name
+STRATEGY_OF_LABEL = {LABELS[n]: n for n in UI_ORDER}          # UI label → strategy name
 MAX_PROMPT_TOKENS = 1024        # longer prompts are shortened (head + tail) with a visible notice
 MAX_PROMPT_CHARS = 100_000      # request size limit: beyond this we refuse instead of tokenising
-MAX_NEW_TOKENS = 512
-QUEUE_SIZE = 64                 # waiting requests beyond this are turned away by gradio's queue
+MAX_NEW_TOKENS = 512           # the most any server allows; a Space allows fewer (viz.limits)
 # Models a public Space may serve (never arbitrary paths, never trust_remote_code).
 ALLOWED_MODELS = (None, "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct",
                   "Qwen/Qwen2.5-0.5B-Instruct")
 # the draft's weights, as offered in the UI: (DecodeConfig.draft, DecodeConfig.lookup)
 DRAFTS = {"int8 + prompt lookup": ("int8", True), "int8": ("int8", False),
           "fp32 + prompt lookup": ("fp32", True), "fp32 (layer skipping only)": ("fp32", False)}
-DEFAULT_DRAFT = "int8 + prompt lookup"
+DEFAULT_DRAFT_LABEL = "int8 + prompt lookup"
 PLOT_H = 310                  # the layer map, as tall as the domain map and its K-nearest list
 MAP_H = 190                   # the domain map: the K-nearest list sits under it, beside the layer map
 QUICK_CALIBRATION = dict(budget=8, prompts_per_domain=4, held_out_per_domain=3)
@@ -84,7 +83,8 @@ class Studio:
     anchors: list = field(default_factory=list)
     map_error: str = ""
     timings: dict = field(default_factory=dict)
-    start_map: Callable[[], None] = lambda: None    # set by load_studio(map_in_background=True)
+    start_map: Callable[[], None] = lambda: None    # set by viz.startup.load_studio(map_in_background=True)
+    limits: Limits = field(default_factory=Limits)  # what one visitor may ask of this server
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self, cal, domain_map=None, map_error: str = "") -> None:
@@ -96,69 +96,6 @@ class Studio:
         with self.lock:
             self.calibration, self.cal_error = cal, ""
             self.domain_map, self.anchors, self.map_error = domain_map, anchors, map_error
-
-
-def load_map(cal) -> tuple[object | None, str]:
-    try:
-        dm = cal.load_domain_map()
-        dm.warm()
-        return dm, ""
-    except Exception as exc:        # umap unusable or file changed: the app works without the map
-        return None, f"domain map unavailable: {exc}"
-
-
-def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
-                warm: bool = True, backbone=None, map_in_background: bool = False, device="auto") -> Studio:
-    """Load model and calibration; the UMAP domain map is not needed for the first token.
-
-    device: where a model loaded here runs (auto|cpu|cuda, or a torch.device); a given backbone stays put.
-
-    map_in_background: return without the map; `studio.start_map()` then loads it in a thread that
-    installs it when done (the map panel says "loading" until then). umap's first import compiles with
-    numba for ~15 s on two cores, so app.py starts it once the server is up: beside the UI build it
-    made the start-up slower.
-    """
-    t0 = time.perf_counter()
-    folder = Path(calibration) if calibration else cal_io.default_folder(spec)
-    from ssd_core.engine import loading as core_bb
-    cold = backbone is None and not core_bb.model_cache_ready(spec)
-    bb = backbone or load_backbone(spec, threads=threads, device=device)
-    t_model = time.perf_counter() - t0
-    prompts = load_prompts()
-    examples = {d: split(p)[1] or p for d, p in prompts.items()}
-    studio = Studio(bb, spec, folder, examples, read_bench(BENCH_DIR))
-    try:
-        cal = cal_io.load(folder, bb)
-        studio.install(cal, None, "domain map loading …")
-    except cal_io.CalibrationError as exc:
-        cal = None
-        studio.cal_error = public_message(str(exc))
-    if warm:                       # one short decode, so a visitor's first click pays no first-call costs
-        warm_up(studio)
-    studio.timings = {"cold": cold, "model_s": round(t_model, 1),
-                      "ready_s": round(time.perf_counter() - t0, 1), "map_s": None}
-
-    def prepare_map():
-        t = time.perf_counter()
-        dm, err = load_map(cal)
-        if studio.calibration is cal:      # not replaced by a calibration run meanwhile
-            studio.install(cal, dm, err)
-        studio.timings["map_s"] = round(time.perf_counter() - t, 1)
-
-    if cal is not None:
-        if map_in_background:
-            studio.start_map = threading.Thread(target=prepare_map, name="domain-map", daemon=True).start
-        else:
-            prepare_map()
-    return studio
-
-
-def warm_up(studio: Studio) -> None:
-    """One short decode and one of each figure, so a visitor's first click pays no first-call costs."""
-    from viz.handlers import generate
-    prompt = next(iter(studio.examples.values()))[0]
-    for _ in generate(studio, None, prompt, "KNN-SSD", None, 6, 3, 0.0, 0.0, 1.0, 5):
-        pass
 
 
 def read_bench(folder: Path) -> dict:
@@ -223,16 +160,31 @@ def public_message(text: str) -> str:
 
 
 # --- building a request -----------------------------------------------------------------------------
-def make_config(max_new, gamma, threshold, temperature, top_p, draft=DEFAULT_DRAFT) -> DecodeConfig:
-    """Settings from the UI or the API; anything out of range raises ValueError with a message."""
-    if not 1 <= float(max_new) <= MAX_NEW_TOKENS:
-        raise ValueError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}")
+def make_config(max_new, gamma, threshold, temperature, top_p, draft=DEFAULT_DRAFT_LABEL, seed=None,
+                max_new_cap: int = MAX_NEW_TOKENS) -> DecodeConfig:
+    """Settings from the UI or the API; anything out of range raises ValueError with a message.
+
+    seed: sampling's seed; None or blank draws a fresh one for this request (so two visitors who sample
+    do not get the same text), and the run's trace records it so the run can be repeated.
+    max_new_cap: this server's cap on new tokens (viz.limits)."""
+    if not 1 <= float(max_new) <= max_new_cap:
+        raise ValueError(f"max new tokens must be between 1 and {max_new_cap} on this server")
     if draft not in DRAFTS:
         raise ValueError(f"draft must be one of: {', '.join(DRAFTS)}")
     kind, lookup = DRAFTS[draft]
     return DecodeConfig(max_new_tokens=int(max_new), gamma=int(gamma), threshold=float(threshold),
-                        temperature=float(temperature), top_p=float(top_p), seed=0,
+                        temperature=float(temperature), top_p=float(top_p), seed=make_seed(seed),
                         max_prompt_tokens=MAX_PROMPT_TOKENS, draft=kind, lookup=lookup)
+
+
+def make_seed(seed) -> int:
+    """A sampling seed: the visitor's (a whole number 0..2**31-1), or a fresh random one when left blank."""
+    if seed is None or (isinstance(seed, str) and not seed.strip()):
+        return secrets.randbelow(2 ** 31)
+    value = float(seed)
+    if not (value.is_integer() and 0 <= value < 2 ** 31):
+        raise ValueError("seed must be a whole number from 0 to 2147483647 (or blank for a random one)")
+    return int(value)
 
 
 def safe_k(k) -> int:

@@ -7,6 +7,7 @@ so it shows the same coloured tokens, route, map, layer map, stats and cost pane
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from ssd_core.engine.trace import Trace, TraceError
@@ -25,45 +26,90 @@ DEFAULT_SPEED = "1×"
 MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
 
 
-def _paced(trace: Trace, speed, should_stop):
-    """The trace's events with the recorded model time of each, sleeping it (scaled by speed)."""
-    step_s = [s.draft_s + s.verify_s + s.overhead_s for s in trace.steps]
-    start_s = max(0.0, trace.compute_s - sum(step_s))     # prefill and routing: the rest of the run
-    for ev, dt in ((trace.start, start_s), *zip(trace.steps, step_s)):
+def _seconds(x) -> float:
+    """A recorded time as a pause: negative or not finite (a hand-edited file) counts as no time."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else 0.0
+
+
+def recorded(trace: Trace) -> list[tuple[object, float]]:
+    """(event, model seconds) for Start (prefill and routing: the run's time not spent in steps), then each Step."""
+    step_s = [_seconds(s.draft_s) + _seconds(s.verify_s) + _seconds(s.overhead_s) for s in trace.steps]
+    return [(trace.start, max(0.0, _seconds(trace.compute_s) - sum(step_s))), *zip(trace.steps, step_s)]
+
+
+def pauses(times: list[float], speed, budget_s: float) -> list[float]:
+    """The pause before each event: its recorded model time scaled by speed, each at most MAX_PAUSE_S, and
+    all together at most budget_s (a long trace plays faster, never longer); no pauses at speed None."""
+    if not speed:
+        return [0.0] * len(times)
+    out = [min(MAX_PAUSE_S, t / speed) for t in times]
+    total = sum(out)
+    return [p * budget_s / total for p in out] if total > budget_s else out
+
+
+def _paced(events, waits, should_stop):
+    """The events, each after its pause; ends early when should_stop() says so."""
+    for ev_dt, wait in zip(events, waits):
         if should_stop():
             return
-        if speed:
-            time.sleep(min(MAX_PAUSE_S, dt / speed))
-        yield ev, dt
+        if wait > 0:
+            time.sleep(wait)
+        yield ev_dt
 
 
 def _problem(message: str, session) -> dict:
     return dict(session=session, tokens=vtok.stream_html("", placeholder=message, status="⚠ " + message))
 
 
-def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED):
-    """Load a trace and play it in the Generate view (and make it the Step-through's walk)."""
+def _load(session, path: str, discard) -> Trace:
+    """The uploaded trace: parsed once, then the upload is discarded (`discard(path)`: the server keeps no
+    visitor files); a second Replay of the same upload uses the parsed copy kept in the session."""
+    kept = session.upload
+    if kept is not None and kept[0] == path:
+        return kept[1]
+    try:
+        trace = Trace.load(path)
+    finally:
+        if discard is not None:
+            discard(path)
+    session.upload = (path, trace)
+    return trace
+
+
+def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, discard=None):
+    """Load a trace and play it in the Generate view (and make it the Step-through's walk). It never runs the
+    model, so app.py gives it a lane of its own: its pauses hold no one else's request."""
     session = get_session(session)
     if not file:
         yield _problem("Choose a trace file (.json) first: download one after any run with ⤓.", session)
         return
+    lim = studio.limits
     try:
-        trace = Trace.load(getattr(file, "name", file))
+        trace = _load(session, str(getattr(file, "name", file)), discard)
     except TraceError as exc:
         yield _problem(f"Cannot replay this file: {exc}", session)
         return
     except OSError as exc:
         yield _problem(f"Cannot read the file: {exc.strerror or exc}", session)
         return
+    if len(trace.steps) > lim.replay_steps:
+        yield _problem(f"This trace has {len(trace.steps):,} steps; this server replays at most "
+                       f"{lim.replay_steps:,} (cap replay_steps).", session)
+        return
     elsewhere = _recorded_elsewhere(studio, trace)
     run = Run(trace.prompt, trace.strategy, trace.config, replay=trace, foreign=elsewhere is not None)
     session.run, session.stop, session.race = run, False, None
+    speed = SPEEDS.get(speed_label, 1.0)
+    events = recorded(trace)
+    asked = pauses([dt for _, dt in events], speed, float("inf"))
+    waits = pauses([dt for _, dt in events], speed, lim.replay_s)
     note = (f"Replay of a {LABELS.get(trace.strategy, trace.strategy)} run recorded "
             f"{trace.meta.get('created', '')} · no model runs. "
-            + (f"Recorded with {elsewhere}: the map and layer map are not shown. " if elsewhere else ""))
+            + (f"Recorded with {elsewhere}: the map and layer map are not shown. " if elsewhere else "")
+            + (f"Played faster than asked: a replay lasts at most {lim.replay_s} s here. "
+               if sum(waits) + 1e-9 < sum(asked) else ""))
     yield dict(session=session, walk=walk_view(studio, None), prompt=trace.prompt)
-    speed = SPEEDS.get(speed_label, 1.0)
-    for update in show_events(studio, session, run, _paced(trace, speed, lambda: session.stop), note,
+    for update in show_events(studio, session, run, _paced(events, waits, lambda: session.stop), note,
                               verb="replaying"):
         yield dict(session=session, **update)
     session.race = _race(trace.meta.get("race"))
@@ -94,18 +140,22 @@ def _recorded_elsewhere(studio: Studio, trace: Trace) -> str | None:
 
 
 def _race(d) -> vstats.RaceResult | None:
-    """The race result a trace kept, if it is well-formed (a hand-edited file may not be)."""
+    """The race result a trace kept, if it is well-formed (a hand-edited file may not be). Traces written
+    before the near-tie check have no `tie_gap`."""
     numbers = ("ar_tokens_per_s", "tokens_per_s", "ar_tokens", "tokens")
-    if not isinstance(d, dict) or set(d) != {f.name for f in dataclasses.fields(vstats.RaceResult)}:
+    names = {f.name for f in dataclasses.fields(vstats.RaceResult)}
+    if not isinstance(d, dict) or set(d) not in (names, names - {"tie_gap"}):
         return None
+    gap = d.get("tie_gap")
     ok = (isinstance(d["strategy"], str) and d["identical"] in (True, False, None)
           and all(isinstance(d[k], (int, float)) and not isinstance(d[k], bool) and d[k] >= 0 for k in numbers)
-          and (d["first_difference"] is None or isinstance(d["first_difference"], int)))
+          and (d["first_difference"] is None or isinstance(d["first_difference"], int))
+          and (gap is None or (isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap))))
     return vstats.RaceResult(**d) if ok else None
 
 
 def walk_from_trace(trace: Trace, speed: float = 1.0) -> Walk:
     """A Step-through over the trace's steps: the same phases as a live walk, with the trace's token texts."""
-    walk = start_walk(trace.prompt, trace.start, iter(trace.steps), replay=trace)
-    walk.pause = 0.9 / max(speed, 0.1)
+    walk = start_walk(trace.prompt, trace.start, trace.steps, replay=trace)
+    walk.pause = min(MAX_PAUSE_S, 0.9 / max(speed, 0.1))
     return walk

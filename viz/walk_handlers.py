@@ -5,12 +5,16 @@ Each handler returns (or, for auto-play, yields) named outputs: {"session": ...,
 from __future__ import annotations
 
 import html
+import logging
 import time
 
 from ssd_core.engine.decode import decode
 from viz import stepthrough as vwalk
 from viz.session import Walk, get_session
-from viz.studio import STRATEGIES, Studio, clean_prompt, make_config, make_strategy, problem, safe_k
+from viz.studio import (STRATEGY_OF_LABEL, Studio, clean_prompt, make_config, make_strategy, problem,
+                        public_message, safe_k)
+
+log = logging.getLogger("knn-ssd-studio")
 
 
 def walk_view(studio: Studio, walk: Walk | None) -> str:
@@ -26,45 +30,55 @@ def walk_view(studio: Studio, walk: Walk | None) -> str:
 
 
 def _advance(walk: Walk) -> None:
-    """Commit the current step to the context and fetch the next one."""
+    """Commit the current step to the context and move to the next one."""
     if walk.step is not None:
         walk.ids.extend(walk.step.committed)
         if walk.step.finished:
             walk.step, walk.done = None, True
             return
-    walk.step = next(walk.events, None)
+    walk.step = walk.steps[walk.next_index] if walk.next_index < len(walk.steps) else None
+    walk.next_index += 1
     walk.phase = "draft"
     if walk.step is None:
         walk.done = True
 
 
 def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k):
+    """Start: decode the answer (up to the server's walk cap) in one go, in the model's lane; the clicks
+    and auto-play then show its steps without running the model."""
     session = get_session(session)
     if not clean_prompt(prompt).strip():
         return dict(session=session,
                     walk='<div class="walk idle">Type a prompt first (or click an example).</div>')
-    strategy = STRATEGIES.get(strategy_label, "knn")
+    strategy = STRATEGY_OF_LABEL.get(strategy_label, "knn")
     if strategy == "ar" or studio.calibration is None:
         strategy = "knn" if studio.calibration is not None else "ar"
     # teaching: model drafts only (no lookup), so every draft shows the draft's probabilities
-    err, got = problem(prompt, lambda: (make_config(256, gamma, 0.0, 0.0, 1.0, "int8"), safe_k(k)))
+    cap = studio.limits.walk_max_new_tokens
+    err, got = problem(prompt, lambda: (make_config(cap, gamma, 0.0, 0.0, 1.0, "int8", max_new_cap=cap),
+                                        safe_k(k)))
     if err:
         return dict(session=session, walk=f'<div class="walk idle">{html.escape(err)}</div>')
     cfg, k = got
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
-    events = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
-    session.walk = start_walk(clean_prompt(prompt).strip(), next(events), events)
+    try:
+        start, *steps = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
+    except Exception as exc:                       # the model failed: say so, keep serving
+        log.exception("step-through decode failed")
+        return dict(session=session, walk=f'<div class="walk idle">⚠ The model failed on this prompt: '
+                                          f'{html.escape(public_message(str(exc)))}</div>')
+    session.walk = start_walk(clean_prompt(prompt).strip(), start, tuple(steps))
     return dict(session=session, walk=walk_view(studio, session.walk))
 
 
-def start_walk(prompt: str, start, events, replay=None) -> Walk:
-    """A walk from a run's Start and its remaining Steps (a live decode or a replayed trace)."""
+def start_walk(prompt: str, start, steps, replay=None) -> Walk:
+    """A walk from a run's Start and its Steps (a finished decode or a replayed trace)."""
     route = start.route.to_dict() if start.route else None
     skip = start.skip.to_dict() if start.skip else None
     desc = (f"the {route['domain'] or 'static'} set's {len(skip['attn'])} attention + {len(skip['mlp'])} MLP "
             "sublayers" if route and skip else
             f"{len(skip['attn'])} attention + {len(skip['mlp'])} MLP sublayers" if skip else "some sublayers")
-    walk = Walk(events, prompt, desc, ids=[start.first_token], replay=replay)
+    walk = Walk(tuple(steps), prompt, desc, ids=[start.first_token], replay=replay)
     _advance(walk)
     return walk
 
@@ -85,7 +99,8 @@ def walk_next(studio: Studio, session):
 
 def walk_auto(studio: Studio, session, steps: int = 8, pause: float | None = None):
     """Auto-play: draft → verify → accept → next, a pause between phases (the walk's own by default:
-    a replayed trace plays at the replay's speed)."""
+    a replayed trace plays at the replay's speed). It only shows steps decoded at Start, so it runs in
+    a lane of its own and its pauses never hold the model's."""
     session = get_session(session)
     walk = session.walk
     if walk is None:

@@ -119,7 +119,7 @@ class LatencyModel:
         keys = sorted(self.verify)
         if k in self.verify:
             return self.verify[k]
-        if k <= keys[0]:
+        if k <= keys[0] or len(keys) == 1:      # one measured size: nothing to extrapolate with
             return self.verify[keys[0]]
         if k >= keys[-1]:                       # extrapolate with the last slope
             k1, k2 = keys[-2], keys[-1]

@@ -139,6 +139,15 @@ def _sample(p: torch.Tensor, gen: torch.Generator) -> int:
 
 
 # --- the loop -----------------------------------------------------------------------------------
+def encode_for(backbone: Backbone, prompt: str, config: DecodeConfig) -> PromptIds:
+    """The prompt as `decode` runs it: tokenised, shortened to leave room in the context for the answer."""
+    room = backbone.max_positions - config.max_new_tokens - config.gamma - 2
+    if room < 72:
+        raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in "
+                         f"the model's {backbone.max_positions}-token context")
+    return backbone.encode(prompt, max_tokens=min(config.max_prompt_tokens or room, room))
+
+
 def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | None = None,
            config: DecodeConfig = DecodeConfig(), should_stop=None) -> Iterator[Start | Step]:
     """Prefill, then speculative (or autoregressive) steps until EOS or max_new_tokens.
@@ -147,12 +156,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     """
     strategy = strategy or Strategy()
     if isinstance(prompt, str):
-        # leave room in the model's context for the answer: longer prompts are shortened
-        room = backbone.max_positions - config.max_new_tokens - config.gamma - 2
-        if room < 72:
-            raise ValueError(f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in "
-                             f"the model's {backbone.max_positions}-token context")
-        prompt = backbone.encode(prompt, max_tokens=min(config.max_prompt_tokens or room, room))
+        prompt = encode_for(backbone, prompt, config)
     gen = torch.Generator(device=backbone.device).manual_seed(config.seed if config.seed is not None else
                                         int(time.time_ns() % (2 ** 31)))
     budget = config.max_new_tokens

@@ -1,0 +1,101 @@
+"""Starting the app, without Gradio: load the model and its calibration into a Studio, warm it up, load the
+UMAP domain map in the background, and (an admin action, never a public event) calibrate from scratch.
+
+It sits above viz.studio (shared resources) and viz.handlers (the events): the warm-up runs a real
+Generate through the handler, so the first visitor pays no first-call costs.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from ssd_core import calibration as cal_io
+from ssd_core.calibration.domains import load_prompts, split
+from ssd_core.engine import loading as core_loading
+from viz.handlers import generate
+from viz.limits import Limits
+from viz.session import banner
+from viz.studio import BENCH_DIR, QUICK_CALIBRATION, Studio, Update, public_message, read_bench
+
+
+def load_map(cal) -> tuple[object | None, str]:
+    try:
+        dm = cal.load_domain_map()
+        dm.warm()
+        return dm, ""
+    except Exception as exc:        # umap unusable or file changed: the app works without the map
+        return None, f"domain map unavailable: {exc}"
+
+
+def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
+                warm: bool = True, backbone=None, map_in_background: bool = False, device="auto",
+                limits: Limits | None = None) -> Studio:
+    """Load model and calibration; the UMAP domain map is not needed for the first token.
+
+    device: where a model loaded here runs (auto|cpu|cuda, or a torch.device); a given backbone stays put.
+
+    map_in_background: return without the map; `studio.start_map()` then loads it in a thread that
+    installs it when done (the map panel says "loading" until then). umap's first import compiles with
+    numba for ~15 s on two cores, so app.py starts it once the server is up: beside the UI build it
+    made the start-up slower.
+    """
+    t0 = time.perf_counter()
+    folder = Path(calibration) if calibration else cal_io.default_folder(spec)
+    cold = backbone is None and not core_loading.model_cache_ready(spec)
+    bb = backbone or core_loading.load_backbone(spec, threads=threads, device=device)
+    t_model = time.perf_counter() - t0
+    prompts = load_prompts()
+    examples = {d: split(p)[1] or p for d, p in prompts.items()}
+    studio = Studio(bb, spec, folder, examples, read_bench(BENCH_DIR), limits=limits or Limits.resolve())
+    try:
+        cal = cal_io.load(folder, bb)
+        studio.install(cal, None, "domain map loading …")
+    except cal_io.CalibrationError as exc:
+        cal = None
+        studio.cal_error = public_message(str(exc))
+    if warm:                       # one short decode, so a visitor's first click pays no first-call costs
+        warm_up(studio)
+    studio.timings = {"cold": cold, "model_s": round(t_model, 1),
+                      "ready_s": round(time.perf_counter() - t0, 1), "map_s": None}
+
+    def prepare_map():
+        t = time.perf_counter()
+        dm, err = load_map(cal)
+        if studio.calibration is cal:      # not replaced by a calibration run meanwhile
+            studio.install(cal, dm, err)
+        studio.timings["map_s"] = round(time.perf_counter() - t, 1)
+
+    if cal is not None:
+        if map_in_background:
+            studio.start_map = threading.Thread(target=prepare_map, name="domain-map", daemon=True).start
+        else:
+            prepare_map()
+    return studio
+
+
+def warm_up(studio: Studio) -> None:
+    """One short decode and one of each figure, so a visitor's first click pays no first-call costs."""
+    prompt = next(iter(studio.examples.values()))[0]
+    for _ in generate(studio, None, prompt, "KNN-SSD", None, 6, 3, 0.0, 0.0, 1.0, 5):
+        pass
+
+
+def run_calibration(studio: Studio, progress) -> dict:
+    """Build a quick calibration for the loaded model (tqdm bars show as a progress bar), then load it.
+
+    An admin action: app.py registers it as an event only on a private server with no calibration
+    (loopback, not a Space); on a public server calibration is the command line's job."""
+    from ssd_core.calibration.build import calibrate     # lazy: the search stack is not needed to serve
+    progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
+    try:
+        cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,
+                        **QUICK_CALIBRATION)
+    except Exception as exc:
+        return dict(banner=Update(value=banner(f"Calibration failed: {exc}"), visible=True),
+                    cal_btn=Update(visible=True))
+    dm, err = load_map(cal)
+    studio.install(cal, dm, err)
+    return dict(banner=Update(value=banner(f"Calibration written to {studio.cal_folder} and loaded: reload the "
+                                           "page to draft with it.", ok=True), visible=True),
+                cal_btn=Update(visible=False))
