@@ -25,6 +25,8 @@ import logging
 from functools import partial
 
 import gradio as gr
+import gradio_client.utils as client_utils
+from gradio.utils import NamedString
 
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.engine.device import add_device_argument
@@ -109,6 +111,17 @@ def gate_per_visitor(queue, cap: int) -> None:
     queue.push = gated
 
 
+class TraceUpload(gr.File):
+    """gr.File handing over the upload's path. Gradio 6's own filepath preprocessing also opens an empty
+    temporary file per request and never deletes it: on a public server, one stray file per replay."""
+    is_template = True           # the page draws it as a plain File
+
+    def _process_single_file(self, f):
+        if self.file_types and not client_utils.is_valid_file(f.path, self.file_types):
+            raise gr.Error(f"Choose a trace file ({', '.join(self.file_types)}).")
+        return NamedString(f.path)
+
+
 THEME = gr.themes.Base(primary_hue="green", neutral_hue="slate", spacing_size="sm", radius_size="md",
                        font=[gr.themes.Font(n) for n in ("Inter", "ui-sans-serif", "system-ui", "sans-serif")])
 
@@ -169,7 +182,7 @@ def build(studio: Studio) -> gr.Blocks:
                         race_view = gr.HTML(vstats.race_html(None), elem_id="race")
                         trace_dl = gr.HTML(vs.trace_download(studio, vs.Session()), elem_id="trace-download")
                         with gr.Accordion("Replay a trace (no model runs)", open=False, elem_id="replay-box"):
-                            trace_in = gr.File(label="trace file (.json)", file_types=[".json"], type="filepath",
+                            trace_in = TraceUpload(label="trace file (.json)", file_types=[".json"], type="filepath",
                                                elem_id="trace-upload", height=90)
                             with gr.Row():
                                 replay_speed = gr.Dropdown(list(th.SPEEDS), value=th.DEFAULT_SPEED,

@@ -307,9 +307,9 @@ def test_a_downloaded_trace_replays_with_the_same_coloured_tokens(server, browse
     _first_token_after_click(page, PROMPT)
     live = page.eval_on_selector_all("#tokens .tok", TOKENS_JS)
     assert live and any("rej" in t["cls"] for t in live) and any("acc" in t["cls"] for t in live)
-    page.wait_for_selector("#trace-download:not([disabled])", timeout=30_000)   # the run's file is ready
+    page.wait_for_selector("#trace-download a.trace-link", timeout=30_000)   # the run's trace is in the link
     with page.expect_download(timeout=30_000) as dl:
-        page.click("#trace-download")
+        page.click("#trace-download a.trace-link")
     path = tmp_path / "run.json"
     dl.value.save_as(path)
     trace = Trace.load(path)
@@ -327,9 +327,9 @@ def test_a_downloaded_trace_replays_with_the_same_coloured_tokens(server, browse
     assert page.input_value("#prompt textarea") == PROMPT
     assert page.eval_on_selector_all("#tokens .tok", TOKENS_JS) == live
     page.screenshot(path=str(_shots() / "replay.png"))
-    page.wait_for_selector("#trace-download:not([disabled])", timeout=30_000)
+    page.wait_for_selector("#trace-download a.trace-link", timeout=30_000)
     with page.expect_download(timeout=30_000) as dl2:
-        page.click("#trace-download")
+        page.click("#trace-download a.trace-link")
     again = tmp_path / "again.json"
     dl2.value.save_as(again)
     assert again.read_text(encoding="utf-8") == path.read_text(encoding="utf-8")

@@ -79,7 +79,6 @@ class Session:
     stop: bool = False
     example_turn: dict = field(default_factory=dict)
     map_whole: bool = False          # the domain map's toggle: whole map instead of the prompt's neighbourhood
-    upload: tuple | None = None      # (upload path, parsed Trace): the last trace replayed (its file is gone)
 
 
 def vocab(studio: Studio, run: Run):

@@ -65,6 +65,9 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
         if studio.calibration is cal:      # not replaced by a calibration run meanwhile
             studio.install(cal, dm, err)
         studio.timings["map_s"] = round(time.perf_counter() - t, 1)
+        if map_in_background:           # the server is up meanwhile: say when the map is there too
+            print(f"domain map {'ready' if dm is not None else 'unavailable'} after {studio.timings['map_s']} s",
+                  flush=True)
 
     if cal is not None:
         if map_in_background:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ class Studio:
     start_map: Callable[[], None] = lambda: None    # set by viz.startup.load_studio(map_in_background=True)
     limits: Limits = field(default_factory=Limits)  # what one visitor may ask of this server
     lock: threading.Lock = field(default_factory=threading.Lock)
+    uploads: OrderedDict = field(default_factory=OrderedDict)   # upload path → parsed Trace (viz.trace_handlers)
 
     def install(self, cal, domain_map=None, map_error: str = "") -> None:
         """Swap in a (new) calibration and its domain map for every session."""

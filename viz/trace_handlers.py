@@ -24,6 +24,7 @@ REPLAY_OUTPUTS = GEN_OUTPUTS + ("walk", "prompt")
 SPEEDS = {"0.5×": 0.5, "1×": 1.0, "2×": 2.0, "4×": 4.0, "instant": None}
 DEFAULT_SPEED = "1×"
 MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
+UPLOADS_KEPT = 8                   # parsed uploads kept for visitors who upload the same file
 
 
 def _seconds(x) -> float:
@@ -61,18 +62,28 @@ def _problem(message: str, session) -> dict:
     return dict(session=session, tokens=vtok.stream_html("", placeholder=message, status="⚠ " + message))
 
 
-def _load(session, path: str, discard) -> Trace:
-    """The uploaded trace: parsed once, then the upload is discarded (`discard(path)`: the server keeps no
-    visitor files); a second Replay of the same upload uses the parsed copy kept in the session."""
-    kept = session.upload
-    if kept is not None and kept[0] == path:
-        return kept[1]
+def _load(studio: Studio, path: str, discard) -> Trace:
+    """The uploaded trace, parsed once; then the upload is discarded (`discard(path)`: the server keeps no
+    visitor files). Gradio stores an upload under a hash of its content, so visitors who upload the same
+    file share one path: the parsed copy stays in the studio's small LRU for them (and for a second
+    Replay of the same upload), bounded in count whatever the number of visitors."""
+    if discard is None:                     # a path of one's own (tests, scripts): read it as it is now
+        return Trace.load(path)
+    with studio.lock:
+        trace = studio.uploads.get(path)
+        if trace is not None:
+            studio.uploads.move_to_end(path)
+    if trace is not None:
+        discard(path)                       # this visitor's copy of a file already read
+        return trace
     try:
         trace = Trace.load(path)
     finally:
-        if discard is not None:
-            discard(path)
-    session.upload = (path, trace)
+        discard(path)
+    with studio.lock:
+        studio.uploads[path] = trace
+        while len(studio.uploads) > UPLOADS_KEPT:
+            studio.uploads.popitem(last=False)
     return trace
 
 
@@ -85,7 +96,7 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, disc
         return
     lim = studio.limits
     try:
-        trace = _load(session, str(getattr(file, "name", file)), discard)
+        trace = _load(studio, str(getattr(file, "name", file)), discard)
     except TraceError as exc:
         yield _problem(f"Cannot replay this file: {exc}", session)
         return
