@@ -18,6 +18,7 @@ T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone r
 # sleeping threads made every small matmul pay a wake-up, and the int8 draft step took 34 ms instead
 # of 16 ms. On a CPU shared with other heavy jobs, set OMP_WAIT_POLICY=PASSIVE before starting.
 # numba's threading layer (UMAP) is set where the resources load, in viz.studio.
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no usage data leaves the server (docs/space.md)
 
 import argparse
 import inspect
@@ -245,7 +246,7 @@ def build(studio: Studio) -> gr.Blocks:
                       draft, seed]
         gen_outputs = [session, tokens, stats, route, domain_plot, layer_plot, race_view, cost, what_if_plot,
                        trace_dl]
-        model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="minimal",
+        model_lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="full",
                           show_progress_on=[tokens])
         gen_names = h.GEN_OUTPUTS
         gen_evt = gen_btn.click(wired(h.generate, gen_names, studio), gen_inputs, gen_outputs, api_name="generate",
@@ -271,7 +272,7 @@ def build(studio: Studio) -> gr.Blocks:
         walk_out, walk_names = [session, walk_view], ("session", "walk")
         w_start.click(wired(wh.walk_start, walk_names, studio), [session, prompt, strategy, oracle_domain, gamma, k],
                       walk_out, api_name="walk_start", concurrency_limit=1, concurrency_id="model",
-                      show_progress="minimal", show_progress_on=[walk_view])
+                      show_progress="full", show_progress_on=[walk_view])
         for btn, phase in ((w_draft, "draft"), (w_verify, "verify"), (w_accept, "accept")):
             btn.click(wired(wh.walk_phase, walk_names, studio, phase=phase), [session], walk_out, queue=False,
                       show_progress="hidden", api_visibility="private")

@@ -20,7 +20,7 @@ from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
 from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
-                         map_fig, route_view, stats_view, tokens_view, trace_download, vocab)
+                         map_fig, route_view, stats_view, tokens_view, trace_download, vocab, NO_TRACE)
 from viz.studio import (DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, Update, clean_prompt, make_config,
                         make_strategy, problem, public_message, safe_k)
 
@@ -218,6 +218,7 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
         return
     (cfg, k, note), strategy = got, STRATEGY_OF_LABEL.get(strategy_label, "knn")
     session.race = None
+    yield dict(session=session, trace_file=NO_TRACE)          # the last run's link goes with it
     try:
         if racing:
             if strategy == "ar":

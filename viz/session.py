@@ -104,6 +104,7 @@ def trace_of(studio: Studio, session) -> Trace | None:
 
 
 DOWNLOAD_LABEL = "⤓ Download this run (trace .json)"
+NO_TRACE = f'<span class="trace-link off" aria-disabled="true">{DOWNLOAD_LABEL}</span>'   # before a run ends
 
 
 def trace_download(studio: Studio, session) -> str:
@@ -111,7 +112,7 @@ def trace_download(studio: Studio, session) -> str:
     so the server writes no file and keeps nothing once the visitor leaves; without a run, a dimmed label."""
     trace = trace_of(studio, session)
     if trace is None:
-        return f'<span class="trace-link off" aria-disabled="true">{DOWNLOAD_LABEL}</span>'
+        return NO_TRACE
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     payload = base64.b64encode(trace.to_json().encode("utf-8")).decode("ascii")
     return (f'<a class="trace-link" download="knn-ssd-trace-{trace.strategy}-{stamp}.json" '
