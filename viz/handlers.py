@@ -218,14 +218,17 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
         return
     (cfg, k, note), strategy = got, STRATEGY_OF_LABEL.get(strategy_label, "knn")
     session.race = None
-    yield dict(session=session, trace_file=NO_TRACE)          # the last run's link goes with it
+    reset = {"trace_file": NO_TRACE}           # the last run's download link goes with the first update
     try:
         if racing:
             if strategy == "ar":
                 strategy = "knn" if studio.calibration is not None else "ar"
-            yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"))
+            yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"),
+                       **reset)
+            reset = {}
         for update in _stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k), note):
-            yield dict(session=session, **update)
+            yield dict(session=session, **update, **reset)
+            reset = {}
         if not racing:
             cost, what_if_fig = cost_view(studio, session.run, None)
             yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
