@@ -26,8 +26,7 @@ import logging
 from functools import partial
 
 import gradio as gr
-import gradio_client.utils as client_utils
-from gradio.utils import NamedString
+from gradio import processing_utils
 
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.engine.device import add_device_argument
@@ -97,6 +96,11 @@ def calibration_event_allowed(studio: Studio) -> bool:
     return studio.calibration is None and private_server()
 
 
+def forget_trace_upload(content: bytes) -> None:
+    """An uploaded trace, once read: delete Gradio's copy (its folder is named by Gradio's hash of the bytes)."""
+    forget_upload(processing_utils.hash_bytes(content))
+
+
 def gate_per_visitor(queue, cap: int) -> None:
     """At most `cap` events of one visitor (a browser session or an API client) queued or running at once;
     one more is refused at the queue's door with a sentence (HTTP 400 to an API client, a toast in the page)."""
@@ -110,17 +114,6 @@ def gate_per_visitor(queue, cap: int) -> None:
             return False, busy_message(held, cap), "error"
         return await push(body, request, username)
     queue.push = gated
-
-
-class TraceUpload(gr.File):
-    """gr.File handing over the upload's path. Gradio 6's own filepath preprocessing also opens an empty
-    temporary file per request and never deletes it: on a public server, one stray file per replay."""
-    is_template = True           # the page draws it as a plain File
-
-    def _process_single_file(self, f):
-        if self.file_types and not client_utils.is_valid_file(f.path, self.file_types):
-            raise gr.Error(f"Choose a trace file ({', '.join(self.file_types)}).")
-        return NamedString(f.path)
 
 
 THEME = gr.themes.Base(primary_hue="green", neutral_hue="slate", spacing_size="sm", radius_size="md",
@@ -183,7 +176,7 @@ def build(studio: Studio) -> gr.Blocks:
                         race_view = gr.HTML(vstats.race_html(None), elem_id="race")
                         trace_dl = gr.HTML(vs.trace_download(studio, vs.Session()), elem_id="trace-download")
                         with gr.Accordion("Replay a trace (no model runs)", open=False, elem_id="replay-box"):
-                            trace_in = TraceUpload(label="trace file (.json)", file_types=[".json"], type="filepath",
+                            trace_in = gr.File(label="trace file (.json)", file_types=[".json"], type="binary",
                                                elem_id="trace-upload", height=90)
                             with gr.Row():
                                 replay_speed = gr.Dropdown(list(th.SPEEDS), value=th.DEFAULT_SPEED,
@@ -265,7 +258,7 @@ def build(studio: Studio) -> gr.Blocks:
                         [session, domain_plot], queue=False, show_progress="hidden", api_visibility="private")
         strategy.change(wired(h.strategy_changed, ["oracle_domain"]), strategy, oracle_domain, queue=False,
                         show_progress="hidden", api_visibility="private")
-        replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio, discard=forget_upload),
+        replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio, discard=forget_trace_upload),
                                       [session, trace_in, replay_speed], gen_outputs + [walk_view, prompt],
                                       concurrency_limit=8, concurrency_id="replay", show_progress="hidden",
                                       api_name="replay")

@@ -224,20 +224,26 @@ def test_a_run_writes_no_file_its_trace_travels_in_the_link(studio):
 
 
 def test_an_uploaded_trace_is_deleted_once_read_and_replays_again(studio, tmp_path, monkeypatch):
+    """The page sends the upload's bytes; Gradio's copy (in a folder named by its hash of them) is deleted
+    once read, and a second replay of the same content, by this visitor or another, still plays."""
+    from gradio import processing_utils
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
     monkeypatch.setattr(th.time, "sleep", lambda s: None)
-    link = list(handlers.generate(studio, None, *SETTINGS))[-1]["trace_file"]
-    upload = tmp_path / "gradio" / "abc123" / "t.json"
+    content = Path(_saved(list(handlers.generate(studio, None, *SETTINGS))[-1]["trace_file"])).read_bytes()
+    upload = tmp_path / "gradio" / processing_utils.hash_bytes(content) / "t.json"
     upload.parent.mkdir(parents=True)
-    upload.write_bytes(Path(_saved(link)).read_bytes())
-    outside = tmp_path / "mine.json"
-    outside.write_bytes(upload.read_bytes())
-    first = list(th.replay(studio, None, str(upload), "instant", discard=vlimits.forget_upload))
-    assert not upload.exists() and not upload.parent.exists()
-    again = list(th.replay(studio, first[-1]["session"], str(upload), "instant", discard=vlimits.forget_upload))
-    assert again[-1]["session"].run.token_ids == first[-1]["session"].run.token_ids
-    list(th.replay(studio, None, str(outside), "instant", discard=vlimits.forget_upload))
-    assert outside.exists()                  # only Gradio's uploads are ever deleted
+    upload.write_bytes(content)
+    other = tmp_path / "gradio" / ("0" * 64) / "other.json"            # someone else's upload
+    other.parent.mkdir()
+    other.write_text("{}")
+    first = list(th.replay(studio, None, content, "instant", discard=app.forget_trace_upload))
+    assert not upload.parent.exists() and other.exists()
+    upload.parent.mkdir()
+    upload.write_bytes(content)                                        # uploaded again by another visitor
+    again = list(th.replay(studio, None, content, "instant", discard=app.forget_trace_upload))
+    assert again[-1]["session"].run.token_ids == first[-1]["session"].run.token_ids and not upload.exists()
+    vlimits.forget_upload("../../etc")                                 # only hash-named folders, ever
+    assert (tmp_path / "gradio").exists() and other.exists()
 
 
 def test_session_state_has_a_time_to_live(studio):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+import shutil
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -129,12 +131,9 @@ def upload_folder() -> Path:
     return Path(os.environ.get("GRADIO_TEMP_DIR") or Path(tempfile.gettempdir()) / "gradio").resolve()
 
 
-def forget_upload(path: str) -> None:
-    """Delete an uploaded file once it is read, if it lies in Gradio's upload folder (never anything else),
-    and the folder Gradio made for it when that is left empty."""
-    root, p = upload_folder(), Path(path).resolve()
-    if root not in p.parents or not p.is_file():
+def forget_upload(digest: str) -> None:
+    """Delete an upload once it is read: Gradio keeps each one in a folder of the upload folder named by a
+    (seeded) sha256 of its content, `digest`; only such a folder (64 hex digits, directly inside) is removed."""
+    if not re.fullmatch(r"[0-9a-f]{64}", str(digest)):
         return
-    p.unlink(missing_ok=True)
-    if p.parent != root and not any(p.parent.iterdir()):
-        p.parent.rmdir()
+    shutil.rmtree(upload_folder() / digest, ignore_errors=True)

@@ -7,6 +7,7 @@ so it shows the same coloured tokens, route, map, layer map, stats and cost pane
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -62,28 +63,30 @@ def _problem(message: str, session) -> dict:
     return dict(session=session, tokens=vtok.stream_html("", placeholder=message, status="⚠ " + message))
 
 
-def _load(studio: Studio, path: str, discard) -> Trace:
-    """The uploaded trace, parsed once; then the upload is discarded (`discard(path)`: the server keeps no
-    visitor files). Gradio stores an upload under a hash of its content, so visitors who upload the same
-    file share one path: the parsed copy stays in the studio's small LRU for them (and for a second
-    Replay of the same upload), bounded in count whatever the number of visitors."""
-    if discard is None:                     # a path of one's own (tests, scripts): read it as it is now
-        return Trace.load(path)
+def _load(studio: Studio, file, discard) -> Trace:
+    """The trace in `file`: a path (tests, scripts: read as it is now), or the uploaded bytes the page sends.
+    An upload is parsed once per content and then discarded (`discard(content)` deletes Gradio's copy, so
+    the server keeps no visitor files); visitors who upload the same file meet the parsed copy in the
+    studio's small LRU, bounded in count whatever their number."""
+    if not isinstance(file, (bytes, bytearray)):
+        return Trace.load(str(getattr(file, "name", file)))
+    digest = hashlib.sha256(file).hexdigest()
     with studio.lock:
-        trace = studio.uploads.get(path)
+        trace = studio.uploads.get(digest)
         if trace is not None:
-            studio.uploads.move_to_end(path)
-    if trace is not None:
-        discard(path)                       # this visitor's copy of a file already read
-        return trace
-    try:
-        trace = Trace.load(path)
-    finally:
-        discard(path)
-    with studio.lock:
-        studio.uploads[path] = trace
-        while len(studio.uploads) > UPLOADS_KEPT:
-            studio.uploads.popitem(last=False)
+            studio.uploads.move_to_end(digest)
+    if trace is None:
+        try:
+            trace = Trace.from_json(bytes(file))
+        finally:
+            if discard is not None:
+                discard(bytes(file))
+        with studio.lock:
+            studio.uploads[digest] = trace
+            while len(studio.uploads) > UPLOADS_KEPT:
+                studio.uploads.popitem(last=False)
+    elif discard is not None:
+        discard(bytes(file))                # this visitor's copy of a file already read
     return trace
 
 
@@ -96,7 +99,7 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, disc
         return
     lim = studio.limits
     try:
-        trace = _load(studio, str(getattr(file, "name", file)), discard)
+        trace = _load(studio, file, discard)
     except TraceError as exc:
         yield _problem(f"Cannot replay this file: {exc}", session)
         return
