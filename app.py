@@ -38,7 +38,8 @@ from viz import trace_handlers as th
 from viz import walk_handlers as wh
 from viz import session as vs
 from viz import startup
-from viz.limits import Limits, busy_message, forget_upload, parse_overrides, private_server
+from viz.limits import (UPLOAD_GRACE_S, LaterDelete, Limits, busy_message, forget_upload, parse_overrides,
+                        private_server)
 from viz.studio import (ALLOWED_MODELS, DEFAULT_DRAFT_LABEL, DRAFTS, ROOT, STRATEGY_OF_LABEL, Studio, Update,
                         bench_plots, public_message)
 from viz.theme import css_variables
@@ -96,9 +97,11 @@ def calibration_event_allowed(studio: Studio) -> bool:
     return studio.calibration is None and private_server()
 
 
-def forget_trace_upload(content: bytes) -> None:
-    """An uploaded trace, once read: delete Gradio's copy (its folder is named by Gradio's hash of the bytes)."""
-    forget_upload(processing_utils.hash_bytes(content))
+def upload_forgetter(delay_s: float = UPLOAD_GRACE_S):
+    """For an uploaded trace once read: delete Gradio's copy (its folder is named by Gradio's hash of the
+    bytes) `delay_s` later; 0 deletes at once."""
+    later = LaterDelete(delay_s) if delay_s > 0 else forget_upload
+    return lambda content: later(processing_utils.hash_bytes(content))
 
 
 def gate_per_visitor(queue, cap: int) -> None:
@@ -258,7 +261,7 @@ def build(studio: Studio) -> gr.Blocks:
                         [session, domain_plot], queue=False, show_progress="hidden", api_visibility="private")
         strategy.change(wired(h.strategy_changed, ["oracle_domain"]), strategy, oracle_domain, queue=False,
                         show_progress="hidden", api_visibility="private")
-        replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio, discard=forget_trace_upload),
+        replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio, discard=upload_forgetter()),
                                       [session, trace_in, replay_speed], gen_outputs + [walk_view, prompt],
                                       concurrency_limit=8, concurrency_id="replay", show_progress="hidden",
                                       api_name="replay")

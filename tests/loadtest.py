@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from viz.limits import UPLOAD_GRACE_S  # noqa: E402
 GEN_PROMPTS = [
     "Summarize: The town council voted to turn the old rail yard into a park with a community garden.",
     "Solve step by step: A baker sells 14 loaves a day for 6 days. How many loaves is that?",
@@ -288,7 +290,7 @@ def run(duration: float, baseline: float, extra_env: dict | None = None, log=pri
                       for i in range(4)])
         [t.start() for t in threads]
         [t.join() for t in threads]
-        time.sleep(3)
+        time.sleep(UPLOAD_GRACE_S + 3)          # uploads are deleted that long after they are read
         left = sorted(files_under(uploads) - files_warm)
         left = [f"{name} ({(uploads / name).stat().st_size} B: {(uploads / name).read_bytes()[:40]!r})"
                 for name in left]

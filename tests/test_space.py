@@ -236,14 +236,28 @@ def test_an_uploaded_trace_is_deleted_once_read_and_replays_again(studio, tmp_pa
     other = tmp_path / "gradio" / ("0" * 64) / "other.json"            # someone else's upload
     other.parent.mkdir()
     other.write_text("{}")
-    first = list(th.replay(studio, None, content, "instant", discard=app.forget_trace_upload))
+    first = list(th.replay(studio, None, content, "instant", discard=app.upload_forgetter(0)))
     assert not upload.parent.exists() and other.exists()
     upload.parent.mkdir()
     upload.write_bytes(content)                                        # uploaded again by another visitor
-    again = list(th.replay(studio, None, content, "instant", discard=app.forget_trace_upload))
+    again = list(th.replay(studio, None, content, "instant", discard=app.upload_forgetter(0)))
     assert again[-1]["session"].run.token_ids == first[-1]["session"].run.token_ids and not upload.exists()
     vlimits.forget_upload("../../etc")                                 # only hash-named folders, ever
     assert (tmp_path / "gradio").exists() and other.exists()
+
+
+def test_a_later_delete_waits_and_restarts_for_the_same_upload(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path))
+    folder = tmp_path / ("a" * 64)
+    folder.mkdir()
+    later = vlimits.LaterDelete(0.3)
+    later("a" * 64)
+    time.sleep(0.2)
+    later("a" * 64)                           # read again: the clock starts over
+    time.sleep(0.2)
+    assert folder.exists() and later.pending() == 1
+    time.sleep(0.4)
+    assert not folder.exists() and later.pending() == 0
 
 
 def test_session_state_has_a_time_to_live(studio):

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -137,3 +138,36 @@ def forget_upload(digest: str) -> None:
     if not re.fullmatch(r"[0-9a-f]{64}", str(digest)):
         return
     shutil.rmtree(upload_folder() / digest, ignore_errors=True)
+
+
+UPLOAD_GRACE_S = 30.0   # an upload is deleted this long after it was read: Gradio stores identical uploads at
+                        # one path, and another visitor's request may not have read its copy yet
+
+
+class LaterDelete:
+    """forget_upload(digest), `delay_s` after the last call for that digest (a thread timer per pending
+    digest: as many as distinct uploads in the last `delay_s` seconds)."""
+
+    def __init__(self, delay_s: float = UPLOAD_GRACE_S):
+        self.delay_s = delay_s
+        self._timers: dict[str, threading.Timer] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, digest: str) -> None:
+        with self._lock:
+            old = self._timers.pop(digest, None)
+            if old is not None:
+                old.cancel()
+            timer = threading.Timer(self.delay_s, self._fire, (digest,))
+            timer.daemon = True
+            self._timers[digest] = timer
+            timer.start()
+
+    def _fire(self, digest: str) -> None:
+        with self._lock:
+            self._timers.pop(digest, None)
+        forget_upload(digest)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._timers)
