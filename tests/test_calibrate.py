@@ -388,3 +388,12 @@ def test_an_unknown_embedding_kind_is_refused_with_the_fix(tiny_calibration, tmp
     (folder / "calibration.json").write_text(json.dumps(doc))
     with pytest.raises(CalibrationError, match="--rebuild-router"):
         cal_io.load(folder)
+
+
+def test_rebuild_router_will_not_leave_a_stale_domain_map(tiny, tiny_calibration, tmp_path):
+    from ssd_core.calibration.build import rebuild_router
+    folder = _copy(tiny_calibration, tmp_path)
+    before = (folder / "router.npz").read_bytes()
+    with pytest.raises(ValueError, match="domain map"):
+        rebuild_router(folder, backbone=tiny, progress=False, umap=False)
+    assert (folder / "router.npz").read_bytes() == before

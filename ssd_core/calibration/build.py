@@ -211,6 +211,11 @@ def rebuild_router(folder: Path, model: str | None = None, progress: bool = True
     folder = Path(folder)
     bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
     cal = cal_io.load(folder, bb)            # sets the old embedding kind on bb; replaced below
+    had_map = "umap.joblib" in cal.meta.get("files", {})
+    refit = had_map if umap is None else umap
+    if had_map and not refit:                # its map would place new prompts among the old anchors
+        raise ValueError(f"{folder} has a domain map fitted on its old anchor vectors; a router rebuild "
+                         "refits it too (leave out --no-umap)")
     bb.set_embedding(DEFAULT_EMBEDDING)
     settings = cal.meta["settings"]
     splits = {d: split(ps) for d, ps in load_prompts().items()}
@@ -222,7 +227,7 @@ def rebuild_router(folder: Path, model: str | None = None, progress: bool = True
     cal.meta.setdefault("timings", {})["router_s"] = round(time.perf_counter() - t, 1)
     cal.meta["embedding"] = bb.embedding_kind
     domain_map = None
-    if umap if umap is not None else "umap.joblib" in cal.meta.get("files", {}):
+    if refit:
         from .domain_map import DomainMap
         t = time.perf_counter()
         domain_map = DomainMap.fit(router.vectors, seed=settings["seed"])
