@@ -301,3 +301,99 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
     assert not (out / ".search_memo.json").exists()          # a finished run leaves no memo
     outside = cal.routing["check_set"]                       # routing on assets/routing_check/
     assert outside["prompts"] >= 7 and "overall" in outside["accuracy"]
+
+
+# --- the prompt embedding a calibration routes on (issue #31, docs/routing.md) ------------------------
+def test_prefill_embedding_follows_the_backbones_kind(tiny):
+    from ssd_core.engine.backbone import DEFAULT_EMBEDDING
+    p = tiny.encode("how many moons does mars have")
+    a, b = p.user_span
+    assert 0 < a < b < len(p)                       # the chat template sits on both sides
+    hidden = tiny.forward(p.ids, tiny.new_cache(64), logits="none")
+    try:
+        tiny.set_embedding("user_mean")
+        pre = tiny.prefill(p, tiny.new_cache(64))
+        assert np.allclose(pre.embedding.numpy(), hidden[a:b].mean(0).numpy(), atol=1e-5)
+        tiny.set_embedding("last_token")
+        pre = tiny.prefill(p, tiny.new_cache(64))
+        # the state the first token's logits come from: it has read the template and the whole prompt
+        assert np.allclose(pre.embedding.numpy(), hidden[-1].numpy(), atol=1e-5)
+        assert np.allclose(tiny.head_logits(pre.embedding[None])[0].numpy(), pre.logits.numpy(), atol=1e-4)
+        assert np.allclose(pre.embedding_user.numpy(), hidden[a:b].mean(0).numpy(), atol=1e-5)
+        with pytest.raises(ValueError, match="unknown embedding kind"):
+            tiny.set_embedding("cls")
+    finally:
+        tiny.set_embedding(DEFAULT_EMBEDDING)
+
+
+def test_calibration_records_its_embedding_kind(tiny, tiny_calibration):
+    cal = cal_io.load(tiny_calibration.folder, tiny)
+    assert cal.meta["embedding"] == cal.embedding == "last_token" == tiny.embedding_kind
+    assert cal.routing["used"] == "last" and cal.routing["embedding"] == "last_token"
+    assert {"last", "user", "all"} <= set(cal.routing)
+    assert cal.router.center is not None            # centred by the anchors' mean direction
+
+
+def _as_old_artefact(tiny, cal, folder):
+    """Rewrite a calibration as one made before the embedding kind existed: no meta["embedding"], an
+    uncentred router on user-token means (the prefill embedding of that time)."""
+    from ssd_core.calibration.router import Router
+    from ssd_core.engine.backbone import DEFAULT_EMBEDDING
+    texts = {}
+    for t, d, k in zip(cal.router.texts, cal.router.domains, cal.router.kinds):
+        if k == "prompt":
+            texts.setdefault(d, []).append(t)
+    emb = {d: np.stack([tiny.prefill(p := tiny.encode(t, max_tokens=48), tiny.new_cache(len(p) + 1))
+                        .embedding_user.numpy() for t in ts]) for d, ts in texts.items()}
+    old = Router.build(emb, texts, cal.domain_sets, cal.static, seed=0, threshold=-1.0)
+    old = cal.router = old.with_settings(threshold=cal.router.threshold)
+    cal.meta.pop("embedding")
+    cal.meta.pop("files")
+    cal_io.save(cal, folder)
+    tiny.set_embedding(DEFAULT_EMBEDDING)
+    return old, emb
+
+
+def test_an_old_artefact_routes_on_its_old_embedding_and_rebuild_router_moves_it(tiny, tiny_calibration,
+                                                                                 tmp_path):
+    from ssd_core.calibration.build import rebuild_router
+    folder = _copy(tiny_calibration, tmp_path)
+    old, _ = _as_old_artefact(tiny, cal_io.load(folder, tiny), folder)
+    prompt = "Translate German to English: Guten Morgen."
+    try:
+        cal = cal_io.load(folder, tiny)
+        assert cal.embedding == "user_mean" == tiny.embedding_kind and cal.router.center is None
+        ids = tiny.encode(prompt)
+        pre = tiny.prefill(ids, tiny.new_cache(256))
+        assert np.allclose(pre.embedding.numpy(), pre.embedding_user.numpy())
+        assert cal.router.route(pre.embedding).to_dict() == old.route(pre.embedding_user).to_dict()
+        ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=16)
+        assert generate(tiny, prompt, cal.strategy("knn", gamma=3), max_new_tokens=16, gamma=3).token_ids == ar.token_ids
+        sets = dict(cal.domain_sets)
+        new = rebuild_router(folder, backbone=tiny, progress=False)
+        assert new.embedding == "last_token" == tiny.embedding_kind and new.router.center is not None
+        assert new.domain_sets == sets                          # only the router changed
+        dm = new.load_domain_map()                              # the map is fitted on the new anchors
+        assert np.allclose(dm.model._raw_data, new.router.vectors)
+        assert not np.allclose(old.vectors, new.router.vectors, atol=1e-3)
+        assert new.routing["check_set"]["prompts"] >= 7
+    finally:
+        tiny.set_embedding("last_token")
+
+
+def test_an_unknown_embedding_kind_is_refused_with_the_fix(tiny_calibration, tmp_path):
+    folder = _copy(tiny_calibration, tmp_path)
+    doc = json.loads((folder / "calibration.json").read_text())
+    doc["meta"]["embedding"] = "cls_token"
+    (folder / "calibration.json").write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="--rebuild-router"):
+        cal_io.load(folder)
+
+
+def test_rebuild_router_will_not_leave_a_stale_domain_map(tiny, tiny_calibration, tmp_path):
+    from ssd_core.calibration.build import rebuild_router
+    folder = _copy(tiny_calibration, tmp_path)
+    before = (folder / "router.npz").read_bytes()
+    with pytest.raises(ValueError, match="domain map"):
+        rebuild_router(folder, backbone=tiny, progress=False, umap=False)
+    assert (folder / "router.npz").read_bytes() == before

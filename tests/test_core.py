@@ -102,7 +102,8 @@ def test_prefill_embedding_pools_user_tokens(tiny):
     a, b = p.user_span
     assert tiny.decode(p.ids[a:b]) == "domain words"
     pre = tiny.prefill(p, tiny.new_cache(64))
-    assert pre.embedding.shape == (tiny.hidden,)
+    assert pre.embedding.shape == pre.embedding_user.shape == (tiny.hidden,)
+    assert not torch.allclose(pre.embedding_user, pre.embedding_all)
     assert not torch.allclose(pre.embedding, pre.embedding_all)
 
 

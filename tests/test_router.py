@@ -213,3 +213,37 @@ def test_knn_strategy_overrides_router_settings(tiny):
     strategy = KnnStrategy(router, k=2, vote="majority", threshold=1.0)
     generate(tiny, "abc", strategy, max_new_tokens=3)
     assert strategy.route.unknown and len(strategy.route.neighbours) == 2
+
+
+def test_a_centred_router_stores_its_center_and_round_trips(clusters, tmp_path):
+    _, train, held, _ = clusters
+    shift = np.ones(DIM, dtype=np.float32) * 3.0            # a direction every prompt shares
+    moved = {d: v + shift for d, v in train.items()}
+    texts = {d: [f"{d} prompt {i}" for i in range(len(p))] for d, p in moved.items()}
+    r = Router.build(moved, texts, _sets(), FALLBACK, seed=0, centre=True)
+    units = np.concatenate([v / np.linalg.norm(v, axis=1, keepdims=True) for v in moved.values()])
+    assert np.allclose(r.center, units.mean(0), atol=1e-6)
+    first = moved["qa"][0]
+    q = (first / np.linalg.norm(first) - r.center)
+    assert np.allclose(r.query(first)[0], q / np.linalg.norm(q), atol=1e-5)
+    assert r.route(first).neighbours[0].similarity == pytest.approx(1.0, abs=1e-5)
+    held_moved = {d: v + shift for d, v in held.items()}
+    plain = Router.build(moved, texts, _sets(), FALLBACK, seed=0)
+    assert r.accuracy(held_moved)["overall"] >= plain.accuracy(held_moved)["overall"]
+    arrays, meta = r.to_arrays()
+    assert meta["centred"] and "center" in arrays
+    np.savez(tmp_path / "router.npz", **arrays)
+    with np.load(tmp_path / "router.npz") as data:
+        again = Router.from_arrays(dict(data), json.loads(json.dumps(meta)))
+    for d in DOMAINS:
+        for v in held_moved[d][:3]:
+            assert again.route(v).to_dict() == r.route(v).to_dict()
+
+
+def test_a_router_saved_before_centring_loads_uncentred(clusters):
+    *_, held, router = clusters
+    arrays, meta = router.to_arrays()
+    meta.pop("centred")                                     # what an older router.npz / json holds
+    again = Router.from_arrays(arrays, meta)
+    assert again.center is None
+    assert again.route(held["qa"][0]).to_dict() == router.route(held["qa"][0]).to_dict()

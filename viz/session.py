@@ -128,7 +128,7 @@ def domains_views(studio: Studio):
     cal = studio.calibration
     if cal is None:
         return "No calibration yet: run it from the banner at the top.", None, None
-    acc = cal.routing.get("user", {}).get("accuracy", {}).get("overall")
+    acc = cal.routing.get(cal.routing.get("used", "user"), {}).get("accuracy", {}).get("overall")
     outside = cal.routing.get("check_set")
     text = ("Each domain gets its own skip set, searched offline. "
             + (f"Held-out routing accuracy of the KNN router: **{acc:.0%}**; " if acc is not None else "")
@@ -171,7 +171,7 @@ def map_fig(studio: Studio, run: Run | None, whole: bool = False):
             "needs a calibration" if studio.calibration is None else (studio.map_error or "unavailable")))
     if run is None or run.start is None or run.foreign:
         return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=MAP_H)
-    xy = studio.domain_map.transform(run.start.embedding)
+    xy = studio.domain_map.transform(studio.calibration.router.query(run.start.embedding))
     return vmap.domain_map(studio.anchors, studio.domain_map.coords, xy, run.route, run.prompt, height=MAP_H,
                            whole=whole)
 

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..engine.backbone import EMBEDDINGS, LEGACY_EMBEDDING
 from ..engine.skipset import SkipSet
 from .domain_map import _sha256 as sha256_file  # one checksum function for every artefact
 from .domains import DOMAIN_DIR, domains_hash
@@ -80,6 +81,12 @@ class Calibration:
         from ..policies.registry import build   # the policies import this package
 
         return build(self, name, **settings)
+
+    @property
+    def embedding(self) -> str:
+        """The prompt embedding the router's anchors were made with (engine.backbone.EMBEDDINGS);
+        a calibration that records none was made with the user-token mean."""
+        return self.meta.get("embedding", LEGACY_EMBEDDING)
 
     def load_domain_map(self):
         """The fitted UMAP, checksum-verified (raises DomainMapError on any mismatch)."""
@@ -289,6 +296,10 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
     _check_files(folder, meta.get("files", {}))
     if backbone is not None:
         _check_model(meta, backbone)
+    if meta.get("embedding", LEGACY_EMBEDDING) not in EMBEDDINGS:
+        raise CalibrationError(f"calibration at {folder} routes on a {meta['embedding']!r} prompt embedding, "
+                               f"which this version cannot compute ({', '.join(EMBEDDINGS)}); rebuild its "
+                               f"router with python -m ssd_core.calibrate --rebuild-router --out {folder}")
     if domain_dir is not None and meta.get("domains_hash") != domains_hash(domain_dir):
         raise CalibrationError(f"calibration at {folder} was made from other domain prompt files "
                                f"(hash mismatch); rebuild it with python -m ssd_core.calibrate")
@@ -314,6 +325,7 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
             raise ValueError(f"sets keep MLP channels by rankings {missing} that channels.npz lacks")
         if backbone is not None:               # the small draft head belongs to this model's calibration
             backbone.set_draft_head(cal.drafts.get("head", {}).get("ids"))
+            backbone.set_embedding(cal.embedding)    # prompts are embedded as the anchors were
             backbone.set_channel_ranks(ranks, means)
         return cal
     except (KeyError, TypeError, ValueError, OSError) as exc:

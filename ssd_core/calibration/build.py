@@ -7,8 +7,13 @@ teacher-forcing data →
 per-domain + static skip-set search (mode "speed" or KNN-SSD's "matchness" at a fixed skip ratio;
 resumable) → held-out matchness matrix → the domain check (a domain set that does not beat the
 static set on its own held-out prompts by `--check-margin` is replaced by the static set, loudly) →
-acceptance per draft kind → prompt embeddings (two poolings compared) → KNN router + threshold →
+acceptance per draft kind → prompt embeddings (three poolings compared) → KNN router + threshold →
 routing on assets/routing_check/ (prompts written after the anchors) → KnapSpec κ → UMAP.
+
+    python -m ssd_core.calibrate --rebuild-router --out DIR
+
+re-embeds only the anchors of an existing calibration (with today's prompt embedding) and rebuilds
+its router, routing report and UMAP; skip sets, latency model and drafts stay as they are.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.backbone import Backbone
+from ..engine.backbone import DEFAULT_EMBEDDING, Backbone
 from ..engine.device import add_device_argument
 from ..engine.draft import DRAFT_KINDS
 from ..engine.loading import load_backbone
@@ -47,16 +52,56 @@ MEMO_NAME = ".search_memo.json"
 log = logging.getLogger("ssd_core.calibrate")
 
 
+# the routing report's name for each embedding kind's pooling ("all": the whole-template mean, compared)
+POOLING_NAMES = {"last_token": "last", "user_mean": "user"}
+
+
 def embed_prompts(bb: Backbone, prompts: list[str], max_prompt_tokens: int, desc: str,
-                  progress: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(user-token pooling, whole-template pooling) embeddings from the prefill."""
-    user, whole = [], []
+                  progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the backbone's embedding kind, user-token mean, whole-template mean) from the prefill."""
+    used, user, whole = [], [], []
     for p in tqdm(prompts, desc=desc, disable=not progress, leave=False):
         ids = bb.encode(p, max_tokens=max_prompt_tokens)
         pre = bb.prefill(ids, bb.new_cache(len(ids) + 1))
-        user.append(pre.embedding.float().cpu().numpy())
+        used.append(pre.embedding.float().cpu().numpy())
+        user.append(pre.embedding_user.float().cpu().numpy())
         whole.append(pre.embedding_all.float().cpu().numpy())
-    return np.stack(user), np.stack(whole)
+    return np.stack(used), np.stack(user), np.stack(whole)
+
+
+def build_router(bb: Backbone, splits: dict, domain_sets: dict, static_skip, seed: int,
+                 max_prompt_tokens: int, progress: bool = True) -> tuple[Router, dict]:
+    """The KNN router on the backbone's embedding kind (centred), and the routing report.
+
+    splits: domain → (calibration prompts = anchors, held-out prompts for the threshold and accuracy).
+    The report compares the poolings (the backbone's, the user-token mean, the whole-template mean),
+    names the one used ("used") and its embedding kind, and adds routing on assets/routing_check/.
+    """
+    emb = {d: [embed_prompts(bb, part, max_prompt_tokens, f"embed {d}/{which}", progress)
+               for which, part in zip(("cal", "held"), s)] for d, s in splits.items()}
+    used = POOLING_NAMES[bb.embedding_kind]
+    routing, routers = {}, {}
+    for col, pooling in enumerate((used, "user", "all")):
+        if pooling in routers:
+            continue
+        r = Router.build({d: e[0][col] for d, e in emb.items()}, {d: s[0] for d, s in splits.items()},
+                         domain_sets, static_skip, seed=seed, threshold=-1.0, centre=True)
+        held = {d: e[1][col] for d, e in emb.items()}
+        thr = suggest_threshold(r, held)
+        r = r.with_settings(threshold=thr)
+        routers[pooling] = r
+        routing[pooling] = {"threshold": round(thr, 4),
+                            "accuracy": {k: round(v, 4) for k, v in r.accuracy(held).items()},
+                            "accuracy_majority": {k: round(v, 4) for k, v in
+                                                  r.accuracy(held, vote="majority").items()}}
+    # The app and the bench route on the backbone's embedding kind (decode.Start.embedding).
+    routing["used"] = used
+    routing["embedding"] = bb.embedding_kind
+    router = routers[used]
+    outside = routing_check(router, bb, max_prompt_tokens, progress=progress)
+    if outside is not None:
+        routing["check_set"] = outside
+    return router, routing
 
 
 def _kappa_points(bb, results, prompts_by_domain, max_prompt_tokens) -> list[tuple[float, float]]:
@@ -155,6 +200,43 @@ def reprofile(folder: Path, model: str | None = None, progress: bool = True,
     return cal_io.load(folder, bb)
 
 
+def rebuild_router(folder: Path, model: str | None = None, progress: bool = True,
+                   device: str | torch.device = "auto", backbone: Backbone | None = None,
+                   umap: bool | None = None) -> cal_io.Calibration:
+    """Re-embed an existing calibration's anchors with today's embedding (DEFAULT_EMBEDDING) and
+    rebuild its router, routing report and (if it had one, or `umap`) its UMAP; the rest stays.
+
+    The anchors are the calibration split of the domain files it was made from (load checks their
+    hash), so the skip sets stay valid."""
+    folder = Path(folder)
+    bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
+    cal = cal_io.load(folder, bb)            # sets the old embedding kind on bb; replaced below
+    had_map = "umap.joblib" in cal.meta.get("files", {})
+    refit = had_map if umap is None else umap
+    if had_map and not refit:                # its map would place new prompts among the old anchors
+        raise ValueError(f"{folder} has a domain map fitted on its old anchor vectors; a router rebuild "
+                         "refits it too (leave out --no-umap)")
+    bb.set_embedding(DEFAULT_EMBEDDING)
+    settings = cal.meta["settings"]
+    splits = {d: split(ps) for d, ps in load_prompts().items()}
+    t = time.perf_counter()
+    router, routing = build_router(bb, splits, cal.domain_sets, cal.static, settings["seed"],
+                                   settings["max_prompt_tokens"], progress)
+    cal.router = router.with_settings(k=cal.router.k, vote=cal.router.vote)
+    cal.routing = routing
+    cal.meta.setdefault("timings", {})["router_s"] = round(time.perf_counter() - t, 1)
+    cal.meta["embedding"] = bb.embedding_kind
+    domain_map = None
+    if refit:
+        from .domain_map import DomainMap
+        t = time.perf_counter()
+        domain_map = DomainMap.fit(router.vectors, seed=settings["seed"])
+        cal.meta["timings"]["umap_s"] = round(time.perf_counter() - t, 1)
+    cal.meta.pop("files", None)
+    cal_io.save(cal, folder, domain_map)
+    return cal_io.load(folder, bb)
+
+
 def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
               prompts_per_domain: int = 10, held_out_per_domain: int = 6, continuation_tokens: int = 24,
               max_prompt_tokens: int = 256, domain_dir: Path = DOMAIN_DIR, seed: int = 0,
@@ -200,6 +282,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     t_start = time.perf_counter()
     timings = {}
     bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
+    bb.set_embedding(DEFAULT_EMBEDDING)    # a backbone that ran an older calibration may pool otherwise
     prompts = load_prompts(domain_dir)
     splits = {d: split(ps) for d, ps in prompts.items()}
 
@@ -267,27 +350,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
     timings["matchness_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    emb = {d: [embed_prompts(bb, part, max_prompt_tokens, f"embed {d}/{which}", progress)
-               for which, part in zip(("cal", "held"), s)] for d, s in splits.items()}
-    routing = {}
-    routers = {}
-    for pooling, col in (("user", 0), ("all", 1)):
-        r = Router.build({d: e[0][col] for d, e in emb.items()}, {d: s[0] for d, s in splits.items()},
-                         domain_sets, static_skip, seed=seed, threshold=-1.0)
-        held = {d: e[1][col] for d, e in emb.items()}
-        thr = suggest_threshold(r, held)
-        r = r.with_settings(threshold=thr)
-        routers[pooling] = r
-        routing[pooling] = {"threshold": round(thr, 4),
-                            "accuracy": {k: round(v, 4) for k, v in r.accuracy(held).items()},
-                            "accuracy_majority": {k: round(v, 4) for k, v in
-                                                  r.accuracy(held, vote="majority").items()}}
-    # The app and the bench route on the user-token embedding (decode.Start.embedding).
-    routing["used"] = "user"
-    router = routers["user"]
-    outside = routing_check(router, bb, max_prompt_tokens, progress=progress)
-    if outside is not None:
-        routing["check_set"] = outside
+    router, routing = build_router(bb, splits, domain_sets, static_skip, seed, max_prompt_tokens, progress)
     timings["router_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -304,7 +367,7 @@ def calibrate(model: str | None, out: Path, budget: int = 60, gamma: int = 4,
 
     timings["total_s"] = time.perf_counter() - t_start
     meta = {
-        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden,
+        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden, "embedding": bb.embedding_kind,
         "domains": list(prompts), "domains_hash": domains_hash(domain_dir),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),
@@ -407,11 +470,18 @@ def main(argv=None):
     ap.add_argument("--reprofile", action="store_true",
                     help="only re-measure the latency model and the draft calibration (small head, "
                          "acceptance per draft kind) of an existing calibration")
+    ap.add_argument("--rebuild-router", action="store_true",
+                    help="only re-embed the anchors of an existing calibration with the current prompt "
+                         "embedding and rebuild its router, routing report and UMAP (docs/routing.md)")
     ap.add_argument("--no-umap", action="store_true", help="skip the UMAP fit (no domain map in the app)")
     add_device_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else cal_io.default_folder(args.model)
+    if args.rebuild_router:
+        cal = rebuild_router(out, args.model, device=args.device, umap=False if args.no_umap else None)
+        print(json.dumps({"out": str(out), "embedding": cal.embedding, "routing": cal.routing}, indent=1))
+        return
     if args.reprofile:
         cal = reprofile(out, args.model, device=args.device)
         print(json.dumps({"out": str(out), "latency_fit": cal.meta["latency_fit"],

@@ -4,7 +4,9 @@ Anchors are every calibration prompt plus a few spherical k-means centroids per 
 (arXiv 2505.16162 clusters each domain; keeping the prompts too lets a query that sits near
 one unusual calibration prompt still find it). Similarity is cosine: vectors are
 L2-normalised and searched with an exact inner-product index, which for a few hundred
-anchors costs well under a millisecond.
+anchors costs well under a millisecond. A router built with `centre=True` also subtracts the mean of
+its unit-length calibration embeddings (anchors and queries alike) before normalising: the direction
+every prompt shares then no longer dominates the cosine (routing/#31, docs/routing.md).
 """
 from __future__ import annotations
 
@@ -81,8 +83,9 @@ def _normalise(vectors: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(v / norms, dtype=np.float32)
 
 
-def _as_query(embedding, dim: int) -> np.ndarray:
-    """A (1, D) float32 unit vector from a torch tensor or numpy array of D values."""
+def _as_query(embedding, dim: int, center: np.ndarray | None = None) -> np.ndarray:
+    """A (1, D) float32 unit vector from a torch tensor or numpy array of D values
+    (with `center`: the unit vector, minus center, normalised again)."""
     if hasattr(embedding, "detach"):
         embedding = embedding.detach().float().cpu().numpy()
     q = np.asarray(embedding, dtype=np.float64).reshape(-1)
@@ -93,7 +96,12 @@ def _as_query(embedding, dim: int) -> np.ndarray:
         raise ValueError("embedding contains NaN or infinite values")
     norm = np.linalg.norm(q)
     # a zero query has no direction: similarity 0 to everything, so it lands as unknown
-    return (q / norm if norm > 0 else q).astype(np.float32)[None, :]
+    q = q / norm if norm > 0 else q
+    if center is not None and norm > 0:
+        q = q - center
+        norm = np.linalg.norm(q)
+        q = q / norm if norm > 0 else q
+    return q.astype(np.float32)[None, :]
 
 
 def _check_settings(k, vote, threshold) -> None:
@@ -126,7 +134,8 @@ class Router:
 
     def __init__(self, vectors: np.ndarray, domains: list[str], texts: list[str], kinds: list[str],
                  domain_sets: dict[str, SkipSet], fallback: SkipSet, k: int = 5,
-                 vote: str = "weighted", threshold: float = 0.5):
+                 vote: str = "weighted", threshold: float = 0.5, center: np.ndarray | None = None):
+        """vectors: the anchors, already centred if `center` (D,) is given (queries get it subtracted)."""
         vectors = np.asarray(vectors)
         if vectors.ndim != 2 or vectors.shape[0] == 0:
             raise ValueError(f"router vectors must be a non-empty (N, D) array, got {vectors.shape}")
@@ -141,6 +150,11 @@ class Router:
             raise ValueError(f"no skip set for anchor domains {missing}")
         _check_settings(k, vote, threshold)
         self.vectors = _normalise(vectors)
+        if center is not None:
+            center = np.asarray(center, dtype=np.float64).reshape(-1)
+            if center.shape != (self.vectors.shape[1],) or not np.all(np.isfinite(center)):
+                raise ValueError(f"router center must be {self.vectors.shape[1]} finite values")
+        self.center = center
         self.domains, self.texts, self.kinds = list(domains), list(texts), list(kinds)
         self.domain_sets, self.fallback = dict(domain_sets), fallback
         self.k, self.vote, self.threshold = int(k), vote, float(threshold)
@@ -158,11 +172,20 @@ class Router:
     @classmethod
     def build(cls, embeddings: dict[str, np.ndarray], texts: dict[str, list[str]],
               domain_sets: dict[str, SkipSet], fallback: SkipSet, centroids_per_domain: int = 4,
-              seed: int = 0, **kw) -> "Router":
-        """Anchors: per domain, its k-means centroids then each calibration prompt (dict order)."""
+              seed: int = 0, centre: bool = False, **kw) -> "Router":
+        """Anchors: per domain, its k-means centroids then each calibration prompt (dict order).
+
+        centre: subtract the mean of all the unit-length calibration embeddings first (stored as the
+        router's `center`, which every query has subtracted too)."""
         rows, domains, anchor_texts, kinds = [], [], [], []
+        center = None
+        if centre and embeddings:
+            units = np.concatenate([_normalise(np.atleast_2d(v)) for v in embeddings.values()])
+            center = units.astype(np.float64).mean(0)
         for domain, vecs in embeddings.items():
             vecs = _normalise(np.atleast_2d(vecs))
+            if center is not None:
+                vecs = _normalise(vecs - center)
             prompts = list(texts.get(domain, []))
             if len(prompts) != len(vecs):
                 raise ValueError(f"domain {domain!r}: {len(vecs)} embeddings but {len(prompts)} texts")
@@ -173,7 +196,7 @@ class Router:
             kinds += ["centroid"] * len(centroids) + ["prompt"] * len(vecs)
         if not domains:
             raise ValueError("cannot build a router without embeddings")
-        return cls(np.concatenate(rows), domains, anchor_texts, kinds, domain_sets, fallback, **kw)
+        return cls(np.concatenate(rows), domains, anchor_texts, kinds, domain_sets, fallback, center=center, **kw)
 
     # --- routing ----------------------------------------------------------------------------
     def route(self, embedding, k: int | None = None, vote: str | None = None,
@@ -182,7 +205,7 @@ class Router:
         vote = self.vote if vote is None else vote
         threshold = self.threshold if threshold is None else threshold
         _check_settings(k, vote, threshold)
-        neighbours = self._nearest(_as_query(embedding, self.dim), min(int(k), len(self)))
+        neighbours = self._nearest(self.query(embedding), min(int(k), len(self)))
         votes = _tally(neighbours, vote)
         best = neighbours[0].similarity
         if best < threshold:
@@ -190,6 +213,11 @@ class Router:
         domain = _winner(votes, neighbours)
         return Route(domain, votes, neighbours, best, self.domain_sets[domain], False, vote,
                      float(threshold))
+
+    def query(self, embedding) -> np.ndarray:
+        """A prompt embedding as the (1, D) unit vector the anchors are compared with (centred if
+        the router is); what the domain map, fitted on `vectors`, places too."""
+        return _as_query(embedding, self.dim, self.center)
 
     def _nearest(self, query: np.ndarray, k: int) -> tuple[Neighbour, ...]:
         sims, rows = self.index.search(query, k)
@@ -200,7 +228,7 @@ class Router:
 
     def nearest_similarities(self, embeddings: np.ndarray) -> np.ndarray:
         """Cosine similarity of each row's nearest anchor (one batched search)."""
-        queries = np.concatenate([_as_query(e, self.dim) for e in np.atleast_2d(embeddings)])
+        queries = np.concatenate([self.query(e) for e in np.atleast_2d(embeddings)])
         sims, _ = self.index.search(queries, 1)
         return sims[:, 0].astype(np.float64)
 
@@ -221,8 +249,11 @@ class Router:
         meta = {"texts": list(self.texts), "domains": list(self.domains), "kinds": list(self.kinds),
                 "k": self.k, "vote": self.vote, "threshold": self.threshold,
                 "sets": {d: s.to_dict() for d, s in self.domain_sets.items()},
-                "fallback": self.fallback.to_dict()}
-        return {"vectors": self.vectors.copy()}, meta
+                "fallback": self.fallback.to_dict(), "centred": self.center is not None}
+        arrays = {"vectors": self.vectors.copy()}
+        if self.center is not None:
+            arrays["center"] = self.center.astype(np.float64)
+        return arrays, meta
 
     @classmethod
     def from_arrays(cls, arrays, meta: dict) -> "Router":
@@ -230,7 +261,8 @@ class Router:
             sets = {d: SkipSet.from_dict(s) for d, s in meta["sets"].items()}
             return cls(np.asarray(arrays["vectors"], dtype=np.float32), meta["domains"],
                        meta["texts"], meta["kinds"], sets, SkipSet.from_dict(meta["fallback"]),
-                       k=meta["k"], vote=meta["vote"], threshold=meta["threshold"])
+                       k=meta["k"], vote=meta["vote"], threshold=meta["threshold"],
+                       center=arrays["center"] if meta.get("centred") else None)
         except KeyError as e:
             raise ValueError(f"router artefact is missing {e}") from None
 

@@ -25,13 +25,23 @@ class UnsupportedModelError(ValueError):
     """The model does not expose embeddings → decoder layers → final norm → lm_head."""
 
 
+# How the prompt embedding is pooled from the prefill's final-norm hidden states (no extra pass):
+# "last_token": the state at the prompt's last position (after the chat template's assistant header
+# it has read the whole prompt; the one whose logits give the first token); "user_mean": the mean
+# over the user's own tokens (the embedding of calibrations made before routing/#31).
+EMBEDDINGS = ("last_token", "user_mean")
+DEFAULT_EMBEDDING = "last_token"
+LEGACY_EMBEDDING = "user_mean"      # what a calibration that records no embedding kind was made with
+
+
 @dataclass(frozen=True)
 class Prefill:
     """What the prefill pass returns: next-token logits and the prompt embedding."""
 
     logits: torch.Tensor          # (vocab,) for the position after the prompt
-    embedding: torch.Tensor       # mean of final-norm hidden states over the user's tokens
-    embedding_all: torch.Tensor   # the same, pooled over the whole templated prompt
+    embedding: torch.Tensor       # pooled as the backbone's `embedding_kind` says (EMBEDDINGS)
+    embedding_all: torch.Tensor   # mean over the whole templated prompt
+    embedding_user: torch.Tensor | None = None   # mean over the user's tokens only
 
 
 def _rope(x, cos, sin_rot):
@@ -253,6 +263,7 @@ class Backbone:
         self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
                                  if i is not None)
         self.draft_head_ids: tuple[int, ...] | None = None   # the calibration's small draft head
+        self.embedding_kind = DEFAULT_EMBEDDING     # Prefill.embedding's pooling (the calibration's, set_embedding)
         # the calibration's MLP channel rankings (name → (layers, channels) ids, most important first)
         self.channel_ranks: dict[str, torch.Tensor] = {}
         # mean activations of rankings whose cut drafts replace dropped channels by their mean
@@ -309,6 +320,12 @@ class Backbone:
             if ids != self.draft_head_ids:
                 self.draft_head_ids = ids
                 self._drafts = {k: v for k, v in self._drafts.items() if not k[1]}
+
+    def set_embedding(self, kind: str) -> None:
+        """Pool Prefill.embedding as `kind` (EMBEDDINGS): the kind the loaded router was built with."""
+        if kind not in EMBEDDINGS:
+            raise ValueError(f"unknown embedding kind {kind!r}; known: {', '.join(EMBEDDINGS)}")
+        self.embedding_kind = kind
 
     def set_channel_ranks(self, ranks: dict | None, means: dict | None = None) -> None:
         """Install a calibration's MLP channel rankings ({name: (layers, channels) ids}); None → none.
@@ -485,7 +502,9 @@ class Backbone:
         a, b = prompt.user_span
         if b <= a:
             a, b = 0, hidden.shape[0]
-        return Prefill(logits=logits, embedding=hidden[a:b].mean(0), embedding_all=hidden.mean(0))
+        user = hidden[a:b].mean(0)
+        embedding = hidden[-1] if self.embedding_kind == "last_token" else user
+        return Prefill(logits=logits, embedding=embedding, embedding_all=hidden.mean(0), embedding_user=user)
 
     # --- text ----------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool | None = None, max_tokens: int | None = None) -> PromptIds:
