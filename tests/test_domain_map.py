@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from ssd_core.calibration.domain_map import MODEL_FILE, DomainMap, DomainMapError
+from ssd_core.calibration.umap_map import MODEL_FILE, DomainMap, DomainMapError
 
 N_CLUSTERS, PER_CLUSTER, DIM = 5, 30, 16
 

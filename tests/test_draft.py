@@ -19,9 +19,9 @@ from ssd_core.policies.static import Static
 @pytest.fixture
 def head_on(tiny):
     """The tiny model with a small draft head of every third token (removed afterwards)."""
-    tiny.set_draft_head(range(0, tiny.vocab, 3))
+    tiny.drafts.set_head(range(0, tiny.vocab, 3))
     yield tiny
-    tiny.set_draft_head(None)
+    tiny.drafts.set_head(None)
 
 
 # --- prompt lookup ----------------------------------------------------------------------------------
@@ -121,8 +121,8 @@ def test_unknown_draft_kind_is_refused(tiny):
 
 
 def test_backbone_builds_each_draft_once(tiny):
-    assert tiny.draft_weights("fp32", small_head=False) is None      # fp32 without a head: the model itself
-    assert tiny.draft_weights("int8") is tiny.draft_weights("int8")
+    assert tiny.drafts.get("fp32", small_head=False) is None      # fp32 without a head: the model itself
+    assert tiny.drafts.get("int8") is tiny.drafts.get("int8")
 
 
 # --- the small draft head ------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_search_scores_candidates_with_the_draft_it_will_use(tiny):
     data = build_match_data(tiny, ["the quick brown fox", "jumps over"], continuation_tokens=8, progress=False)
     lat = _latency(int8={"attn_a": 0.3e-3, "attn_b": 0.0, "mlp": 0.5e-3, "head": 0.5e-3, "overhead": 1e-3})
     lat = LatencyModel(**{**lat.__dict__, "n_layers": tiny.n_layers})
-    draft = tiny.draft_weights("int8")
+    draft = tiny.drafts.get("int8")
     r = search_skip_set(tiny, data, lat, budget=6, progress=False, draft=draft)
     assert r.matchness == pytest.approx(matchness(tiny, r.skip, data, draft))
     fp32 = [h["matchness"] for h in search_skip_set(tiny, data, lat, budget=6, progress=False).history]

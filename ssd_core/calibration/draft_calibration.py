@@ -77,7 +77,7 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
     """
     out: dict[str, dict[str, float]] = {}
     for kind in kinds:
-        draft = bb.draft_weights(kind)
+        draft = bb.drafts.get(kind)
         per = {}
         for name, skip in [*sets.items(), (FULL, SkipSet.empty())]:
             domains = [name] if name in data else list(data)
@@ -89,12 +89,12 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
 
 
 def held_out_data(bb, prompts: dict[str, list[str]], per_domain: int = 2, continuation_tokens: int = 24,
-                  max_prompt_tokens: int = 256, window: int | None = None) -> dict:
+                  max_prompt_tokens: int = 256) -> dict:
     """Teacher-forcing data on the first held-out prompts of every domain (domains.split)."""
     from .domains import split
 
     return {d: build_match_data(bb, split(p)[1][:per_domain], continuation_tokens, max_prompt_tokens,
-                                progress=False, window=window) for d, p in prompts.items()}
+                                progress=False) for d, p in prompts.items()}
 
 
 def head_for_domains(bb, prompts: dict[str, list[str]], per_domain: int = 4, held_out_per_domain: int = 2,
@@ -106,5 +106,5 @@ def head_for_domains(bb, prompts: dict[str, list[str]], per_domain: int = 4, hel
     head = choose_head(bb, [p for c, _ in parts.values() for p in c[:per_domain]],
                        [p for _, h in parts.values() for p in h[:held_out_per_domain]],
                        max_prompt_tokens=max_prompt_tokens, progress=progress)
-    bb.set_draft_head(head["ids"])
+    bb.drafts.set_head(head["ids"])
     return head

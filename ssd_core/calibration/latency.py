@@ -253,7 +253,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     full = _sublayer_costs(bb, cache, contexts, repeats, bar)
     kinds = {}
     for kind in drafts:
-        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.draft_weights(kind))
+        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.drafts.get(kind))
         costs.pop("points")
         kinds[kind] = costs
     ref = contexts[min(1, len(contexts) - 1)]

@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from ..policies.base import Strategy
 from .backbone import Backbone
 from .decode import DecodeConfig, Start, Step, decode
+from .strategy import Strategy
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
+from ..calibration import artifact as cal_io
 from ..calibration.domains import DOMAIN_DIR, load_prompts
 from ..engine.backbone import EMPTY, Backbone
 from ..engine.decode import DecodeConfig
 from ..engine.device import add_device_argument, device_label
 from ..engine.generate import generate
+from ..engine.loading import load_backbone
 from ..engine.prompt import PromptIds
 from ..policies.knapspec import choose_skip, knapsack_min_loss, prompt_similarity
-from ..policies.registry import BASELINE, parse_strategies
+from ..policies.registry import BASELINE, build as build_strategy, parse_strategies
 from .stats import DEFINITIONS as BENCH_DEFINITIONS
 from .stats import group_stats, machine, round_or_none
 
@@ -208,7 +210,7 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
     if warmup:
         first = prompts[(lengths[0], 0)]
         for name in names:
-            generate(backbone, first, calibration.strategy(name, gamma=gamma),
+            generate(backbone, first, build_strategy(calibration, name, gamma=gamma),
                      DecodeConfig(max_new_tokens=min(8, new_tokens), gamma=gamma, stop_at_eos=False))
     bar = tqdm(total=len(prompts) * len(names), desc="scaling", unit="run", disable=not progress)
     points, failures = [], []
@@ -220,7 +222,7 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
             ar_ids = None
             for name in names:
                 bar.set_postfix_str(f"{len(ids)} tokens {name}")
-                g = generate(backbone, ids, calibration.strategy(name, gamma=gamma), cfg)
+                g = generate(backbone, ids, build_strategy(calibration, name, gamma=gamma), cfg)
                 st = g.stats
                 recs[name].append({"new_tokens": st.new_tokens, "wall_s": st.wall_s, "prefill_s": st.prefill_s,
                                    "accept_lengths": list(st.accept_lengths), "drafted": st.drafted,
@@ -289,9 +291,6 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--out", default="assets/bench/scaling")
     add_device_argument(ap)
     args = ap.parse_args(argv)
-
-    from .. import calibration as cal_io
-    from ..engine.loading import load_backbone
 
     torch.set_num_threads(args.threads)
     bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)
