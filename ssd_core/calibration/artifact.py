@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.loading import model_slug
 from ..engine.skipset import SkipSet
 from .domains import DOMAIN_DIR, domains_hash
 from .files import (TMP_MARK, StagedWrites, atomic_write, remove_stale_temporaries,  # noqa: F401 (the package's API)
@@ -204,5 +205,4 @@ def _check_model(meta: dict, backbone) -> None:
 
 
 def default_folder(spec: str | None) -> Path:
-    from ..engine.loading import model_slug
     return CALIBRATION_ROOT / model_slug(spec)

@@ -16,6 +16,7 @@ from itertools import zip_longest
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
@@ -103,8 +104,6 @@ def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, d
 def build_match_data(backbone: Backbone, prompts: list[str], continuation_tokens: int = 24,
                      max_prompt_tokens: int = 256, progress: bool = True) -> MatchData:
     """Greedy-continue each prompt with the full model and record its teacher-forced targets."""
-    from tqdm.auto import tqdm
-
     if not prompts:
         raise ValueError("build_match_data needs at least one prompt")
     config = DecodeConfig(max_new_tokens=continuation_tokens)

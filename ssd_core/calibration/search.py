@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from ..engine.backbone import Backbone
 from ..engine.skipset import SkipSet
 from .candidates import (check_initial, default_initial, initial_with, random_candidates, ratio_count,
@@ -95,7 +97,7 @@ class _Scorer:
 
 
 def _make_study(seed: int, n_startup: int):
-    import optuna
+    import optuna     # lazy: ~1 s to import, and only a speed-mode search needs it
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, n_startup))
@@ -131,8 +133,6 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
     trials). Matchness mode: calibration.greedy.greedy_set; its construction always completes, the
     budget caps only its swaps.
     """
-    from tqdm.auto import tqdm
-
     L = backbone.n_layers
     if mode not in SEARCH_MODES:
         raise ValueError(f"unknown search mode {mode!r}; choose from {', '.join(SEARCH_MODES)}")
@@ -182,8 +182,6 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
 
 
 def _greedy(scorer: _Scorer, L: int, count: int, budget: int, name: str, progress: bool) -> SearchResult:
-    from tqdm.auto import tqdm
-
     least = len(searchable_slots(L)) + (count - 1) * SHORTLIST    # the construction's passes at most
     bar = tqdm(total=max(budget, least), desc=f"greedy {name}".rstrip(), disable=not progress)
 

@@ -48,7 +48,7 @@ def _single_threaded():
     busy 2-core machine (measured: 87 ms with 2 threads vs 1.4 ms with 1). numba's thread
     count is per calling thread, so this does not change other threads' setting.
     """
-    import numba
+    import numba      # lazy: umap's dependency, imported only where umap is (module docstring)
     before = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
@@ -132,7 +132,7 @@ class DomainMap:
             np.savez(f, coords=self.coords)
         if self.model is None:
             return {"umap_sha256": None, "coords_file": COORDS_FILE, "model_file": None}
-        import joblib
+        import joblib     # lazy: only saving / loading the fitted UMAP needs it
         with stage.open(MODEL_FILE) as f:
             joblib.dump(self.model, f)
         return {"umap_sha256": sha256_file(stage.path(MODEL_FILE)), "coords_file": COORDS_FILE,
@@ -162,7 +162,7 @@ class DomainMap:
                                  "file changed since calibration; refusing to unpickle it")
         coords = cls.load_coords(folder).coords
         umap = _import_umap()
-        import joblib
+        import joblib     # lazy: only saving / loading the fitted UMAP needs it
         model = joblib.load(path)
         if not isinstance(model, umap.UMAP):
             raise DomainMapError(f"{path} holds a {type(model).__name__}, not a fitted UMAP")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
 from .backbone import Backbone
@@ -67,7 +67,6 @@ def generate(backbone: Backbone, prompt, strategy: Strategy | None = None,
              config: DecodeConfig = DecodeConfig(), **overrides) -> Generation:
     """Generate a whole answer; returns text, ids, every event and the stats."""
     if overrides:
-        from dataclasses import replace
         config = replace(config, **overrides)
     t0 = time.perf_counter()
     start, steps = None, []

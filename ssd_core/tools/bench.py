@@ -5,7 +5,7 @@
 
 Input: Spec-Bench's question format (one JSON object a line: question_id, category, turns; the
 first turn is the prompt). Output, in --out: `<strategy>.jsonl` in Spec-Bench's answer format and
-`summary.json` (the figures are defined in tools.stats.DEFINITIONS). Tables and plotly figures
+`summary.json` (the figures are defined in tools.metrics.DEFINITIONS). Tables and plotly figures
 come from the views: `python -m viz.bench_figures OUT` writes `results.md` and the figures.
 
 Fairness: every strategy runs in this one process, interleaved per prompt (`ar`, then
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..calibration import artifact as cal_io
 from ..calibration.latency import expected_tokens
@@ -42,7 +43,7 @@ from ..policies.oracle import ORACLE_CATEGORY_DOMAIN
 from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, build as build_strategy, parse_strategies
 from .specbench import Question, answer_line, load_questions, mix_order, select, switch_rate
 from .reference import hf_generate
-from .stats import (DEFINITIONS, aggregate, combine_predictions, draft_memory, first_difference, group_stats,
+from .metrics import (DEFINITIONS, aggregate, combine_predictions, draft_memory, first_difference, group_stats,
                     machine, median_speedup, round_or_none)
 
 
@@ -128,8 +129,6 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     latency model picks each step's draft length ≤ gamma; traces: a folder to write every run's
     trace to (`<strategy>/<question_id>.json`, the app's replay format).
     """
-    from tqdm.auto import tqdm
-
     names = parse_strategies(strategies)
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed, draft=draft, lookup=lookup)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..calibration import artifact as cal_io
 from ..calibration.domains import DOMAIN_DIR, load_prompts
@@ -31,8 +32,8 @@ from ..engine.loading import load_backbone
 from ..engine.prompt import PromptIds
 from ..policies.knapspec import choose_skip, knapsack_min_loss, prompt_similarity
 from ..policies.registry import BASELINE, build as build_strategy, parse_strategies
-from .stats import DEFINITIONS as BENCH_DEFINITIONS
-from .stats import group_stats, machine, round_or_none
+from .metrics import DEFINITIONS as BENCH_DEFINITIONS
+from .metrics import group_stats, machine, round_or_none
 
 LENGTHS = (256, 1024, 2048, 4096)
 SWEEP = (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8000)
@@ -194,8 +195,6 @@ def findings(result: dict, calibration) -> list[str]:
 def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: int = 48,
                 gamma: int | None = None, repeats: int = 1, strategies=DEFAULT_STRATEGIES,
                 sweep_contexts=SWEEP, warmup: bool = True, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
     names = parse_strategies(strategies)
     room = backbone.max_positions - new_tokens - gamma - 2
