@@ -107,10 +107,15 @@ def test_int8_codes_are_torchs_per_channel_quantisation(levels, monkeypatch):
 
 
 def test_seven_bit_codes_cannot_saturate_the_kernels_int16_pair_sums():
-    """Two u8 activations times two codes must fit in int16 (fbgemm without VNNI sums pairs there)."""
-    from ssd_core.engine.draft import WEIGHT_LEVELS, _cpu_has_vnni
-    assert WEIGHT_LEVELS == (127 if _cpu_has_vnni() else 63)
-    assert 2 * 255 * 64 <= 32767 < 2 * 255 * 128
+    """Without VNNI fbgemm sums pairs of u8 activation × code products in int16: the codes made for such
+    a CPU (63 levels) keep every pair inside it, the 8-bit ones would not."""
+    from ssd_core.engine.draft import _int8_codes
+    gen = torch.Generator().manual_seed(1)
+    w = torch.cat([torch.randn(16, 64, generator=gen), -torch.ones(1, 64), torch.ones(1, 64)])  # both extremes
+
+    def worst_pair(codes):
+        return 2 * 255 * int(codes.abs().max())
+    assert worst_pair(_int8_codes(w, 63)[0]) <= 32767 < worst_pair(_int8_codes(w, 127)[0])
 
 
 def test_unknown_draft_kind_is_refused(tiny):
@@ -140,12 +145,22 @@ def test_small_head_drafts_only_its_tokens_and_never_changes_the_output(head_on)
 
 
 def test_small_head_in_sampling_mode_is_renormalised_over_the_subset(head_on):
-    tiny = head_on
+    """The first draft token's q is the softmax over the head's tokens only, recomputed here from the
+    full-vocabulary logits of the same skipped pass (the share a full-vocab softmax gives is smaller)."""
+    tiny, skip = head_on, SkipSet({1}, set())
     cfg = DecodeConfig(max_new_tokens=20, gamma=3, temperature=1.0, seed=3, draft="fp32", lookup=False)
-    events = list(decode(tiny, "sampled", Static(SkipSet({1}, set())), cfg))
-    steps = events[1:]
+    events = list(decode(tiny, "sampled", Static(skip), cfg))
+    start, steps = events[0], events[1:]
     assert all(t % 3 == 0 for s in steps for t in s.drafted)
-    assert all(0.0 < p <= 1.0 for s in steps for p in s.draft_probs)
+    prompt = tiny.encode("sampled")
+    cache = tiny.new_cache(len(prompt) + 2)
+    tiny.prefill(prompt, cache)
+    logits = tiny.forward([start.first_token], cache, skip)       # every token: the verifier's head
+    ids = torch.arange(0, tiny.vocab, 3)
+    d = steps[0].drafted[0]
+    over_subset = float(torch.softmax(logits[ids], -1)[d // 3])
+    assert steps[0].draft_probs[0] == pytest.approx(over_subset, rel=1e-3)
+    assert over_subset > 1.5 * float(torch.softmax(logits, -1)[d])
 
 
 def test_frequent_tokens_ranks_by_count_then_id():
