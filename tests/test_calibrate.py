@@ -267,6 +267,7 @@ def test_domain_check_compares_each_set_with_static_on_its_own_domain():
     assert check_domain_sets(matrix, {"qa": None}, margin=0.0)["qa"]["passed"] is True
 
 
+@pytest.mark.slow
 def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_path, caplog):
     """KNN-SSD mode with an impossible margin: every domain fails, loudly, and ships the static set."""
     from ssd_core.calibration.build import calibrate

@@ -155,6 +155,7 @@ def test_the_pooled_ranking_weighs_every_domain_alike():
     assert torch.allclose(pooled({"a": a, "b": b}), torch.tensor([[1.0, 1.0, 0.0]]))
 
 
+@pytest.mark.slow
 def test_channel_calibration_end_to_end(tmp_path):
     from ssd_core.calibration.build import CalibrationSettings, calibrate
     bb = tiny_backbone()

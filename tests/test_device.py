@@ -200,8 +200,10 @@ def _cli(main, argv, capsys):
 def cli_setup(monkeypatch, tmp_path):
     import ssd_core.calibration.build as build
     import ssd_core.engine.loading as loading
-    monkeypatch.setattr(loading, "load_backbone", _stop_loading)
-    monkeypatch.setattr(build, "load_backbone", _stop_loading)
+    import ssd_core.tools.bench as bench
+    import ssd_core.tools.scaling as scaling
+    for module in (loading, build, bench, scaling):      # every module that binds load_backbone at import
+        monkeypatch.setattr(module, "load_backbone", _stop_loading)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)    # the CLIs set threads; not in tests
     q = tmp_path / "q.jsonl"
     q.write_text('{"question_id": 1, "category": "qa", "turns": ["Why?"]}\n')

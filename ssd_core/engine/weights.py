@@ -35,7 +35,7 @@ class LayerWeights:
     """One decoder layer's weights, fused for fewer matmuls."""
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown")
-    bdown = None                        # the model's MLPs have no output bias (a draft's may: draft.py)
+    bdown = None                        # the model's MLPs have no output bias (a cut draft's may: drafts.py)
 
     def __init__(self, ln1, ln2, q, k, v, o, gate, up, down, qkv_bias=None):
         """Plain tensors; qkv_bias: the (q, k, v) biases, None where a projection has none."""
