@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .backbone import EMPTY, Backbone
-from .draft import DRAFT_KINDS
+from .draft import DEFAULT_DRAFT_KIND, DRAFT_KINDS
 from .lookup import PromptLookup
 from .prompt import PromptIds
 from .skipset import SkipSet
@@ -32,7 +32,7 @@ class DecodeConfig:
     seed: int | None = 0
     stop_at_eos: bool = True
     max_prompt_tokens: int | None = None
-    draft: str = "int8"            # draft weights: "int8" (quantised copy) or "fp32" (see draft.py)
+    draft: str = DEFAULT_DRAFT_KIND  # draft weights: "int8" (quantised copy) or "fp32" (see draft.py)
     small_head: bool = True        # draft with the calibration's frequent-token head, when there is one
     lookup: bool = True            # try a prompt-lookup draft before running the model draft
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 DRAFT_KINDS = ("int8", "fp32")
-DEFAULT_DRAFT = "int8"
+DEFAULT_DRAFT_KIND = "int8"       # the draft weights alone (the app adds prompt lookup on top)
 
 
 def _cpu_has_vnni() -> bool:
@@ -143,7 +143,7 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None, int8_kernel: bool | None = None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None):
         """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
         False keeps dequantised int8-rounded weights instead (the path for CUDA)."""
         if kind not in DRAFT_KINDS:
