@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import faiss
 import numpy as np

@@ -20,8 +20,8 @@ from .drafts import DraftFactory
 from .kv_cache import KVCache
 from .prompt import PromptIds, encode_prompt
 from .skipset import SkipSet
-from .weights import (LayerWeights, ModelWeights, UnsupportedModelError, onednn_available, onednn_linear,  # noqa: F401
-                      onednn_pack, plain_llama_rope_theta, weights_from_hf, weights_from_state)
+from .weights import (LayerWeights, ModelWeights, onednn_available, onednn_linear, onednn_pack, weights_from_hf,
+                      weights_from_state)
 
 EMPTY = SkipSet.empty()
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .backbone import Backbone, UnsupportedModelError, plain_llama_rope_theta
+from .backbone import Backbone
 from .device import resolve_device
+from .weights import UnsupportedModelError, plain_llama_rope_theta
 
 log = logging.getLogger(__name__)
 
