@@ -15,4 +15,9 @@ run: install
 test: install-dev
 	$(PY) -m pytest -q
 
-.PHONY: install install-dev run test
+# The fast suite while working: no real model, no browser, nothing marked slow (under two minutes on
+# 2 cores). No install step: it runs where the requirements are already installed, without root.
+test-fast:
+	$(PY) -m pytest -q -m "not real and not browser and not slow"
+
+.PHONY: install install-dev run test test-fast

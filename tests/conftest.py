@@ -12,6 +12,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny import tiny_backbone  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that needs `tiny_calibration` (a full calibration of the tiny model: ~90 s on 2 busy
+    cores, once per session) is slow: `make test-fast` (-m "not slow") leaves it out."""
+    for item in items:
+        if "tiny_calibration" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_backbone()

@@ -8,7 +8,7 @@ import pytest
 from ssd_core.policies.registry import parse_strategies
 from ssd_core.tools import bench, reference, specbench, tau_ratio
 from ssd_core.tools.specbench import Question, mix_order
-from ssd_core.tools.stats import aggregate, combine_predictions, median_speedup, speedup
+from ssd_core.tools.metrics import aggregate, combine_predictions, median_speedup, speedup
 from viz import bench_figures
 
 CATEGORIES = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]

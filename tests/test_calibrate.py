@@ -17,6 +17,7 @@ from ssd_core.calibration.domains import DOMAIN_DIR, DOMAINS
 from ssd_core.engine.generate import generate
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.policies.registry import AUTO_INNER, STRATEGIES
+from ssd_core.policies.registry import build as build_strategy
 from tiny import tiny_backbone
 
 
@@ -29,20 +30,22 @@ def test_calibration_has_every_artefact(tiny_calibration):
         assert set(cal.matchness[name]) == set(DOMAINS)
     assert {"user", "all", "used"} <= set(cal.routing)
     assert "overall" in cal.routing["user"]["accuracy"]
-    assert cal.knapspec["kappa"] > 0
+    from ssd_core.policies.knapspec import DEFAULT_KAPPA
+    assert cal.knapspec["kappa"] > 0 and cal.knapspec["kappa"] != round(DEFAULT_KAPPA, 4)   # fitted, not the fallback
     for f in ("calibration.json", "router.npz", "domain_map.npz", "umap.joblib"):
         assert (cal.folder / f).exists()
-    assert cal.meta["timings"]["total_s"] > 0
+    assert set(cal.meta["timings"]) == {"draft_head_s", "latency_s", "match_data_s", "search_s", "matchness_s",
+                                        "router_s", "kappa_s", "umap_s", "total_s"}      # every step ran
 
 
 def test_every_strategy_from_a_calibration_is_lossless(tiny, tiny_calibration):
     prompt = "Translate German to English: Guten Morgen."
     ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=24)
     for name in STRATEGIES:
-        strat = tiny_calibration.strategy(name, gamma=3, category="translation")
+        strat = build_strategy(tiny_calibration, name, gamma=3, category="translation")
         g = generate(tiny, prompt, strat, max_new_tokens=24, gamma=3)
         assert g.token_ids == ar.token_ids, name
-    plan = tiny_calibration.strategy("knn").start(tiny, tiny.encode(prompt),
+    plan = build_strategy(tiny_calibration, "knn").start(tiny, tiny.encode(prompt),
                                                   tiny.prefill(tiny.encode(prompt), tiny.new_cache(256)).embedding)
     assert plan.route is not None and plan.skip == plan.route.skip
 
@@ -51,7 +54,7 @@ def test_every_strategy_from_a_calibration_is_lossless(tiny, tiny_calibration):
 def test_auto_wraps_each_allowed_strategy_losslessly(tiny, tiny_calibration, inner):
     prompt = "Translate German to English: Guten Morgen."
     ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=24)
-    strat = tiny_calibration.strategy("auto", inner=inner, gamma=3, category="translation")
+    strat = build_strategy(tiny_calibration, "auto", inner=inner, gamma=3, category="translation")
     assert strat.name == "auto" and strat.inner.name == inner
     g = generate(tiny, prompt, strat, max_new_tokens=24, gamma=3)
     assert g.token_ids == ar.token_ids
@@ -62,7 +65,7 @@ def test_auto_wraps_each_allowed_strategy_losslessly(tiny, tiny_calibration, inn
 @pytest.mark.parametrize("inner", ["auto", "ar", "fast"])
 def test_auto_refuses_what_it_cannot_wrap(tiny_calibration, inner):
     with pytest.raises(ValueError, match="auto wraps one of"):
-        tiny_calibration.strategy("auto", inner=inner)
+        build_strategy(tiny_calibration, "auto", inner=inner)
 
 
 def test_round_trip_and_domain_map(tiny, tiny_calibration):
@@ -117,7 +120,7 @@ def test_corrupt_json_is_refused(tiny_calibration, tmp_path):
 
 
 def test_tampered_umap_is_never_unpickled(tiny_calibration, tmp_path):
-    from ssd_core.calibration.domain_map import DomainMapError
+    from ssd_core.calibration.umap_map import DomainMapError
     folder = _copy(tiny_calibration, tmp_path)
     cal = cal_io.load(folder)
     (folder / "umap.joblib").write_bytes(b"not a pickle at all")
@@ -239,7 +242,7 @@ def test_atomic_write_replaces_whole_files_or_nothing(tmp_path):
 
 
 def test_domain_map_files_are_written_atomically(tmp_path, monkeypatch):
-    from ssd_core.calibration.domain_map import COORDS_FILE, DomainMap
+    from ssd_core.calibration.umap_map import COORDS_FILE, DomainMap
     dm = DomainMap.coords_only(np.zeros((5, 2), dtype=np.float32))
     dm.save(tmp_path)
     before = _snapshot(tmp_path)
@@ -264,6 +267,7 @@ def test_domain_check_compares_each_set_with_static_on_its_own_domain():
     assert check_domain_sets(matrix, {"qa": None}, margin=0.0)["qa"]["passed"] is True
 
 
+@pytest.mark.slow
 def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_path, caplog):
     """KNN-SSD mode with an impossible margin: every domain fails, loudly, and ships the static set."""
     from ssd_core.calibration.build import calibrate
@@ -271,8 +275,7 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
     cal = calibrate(None, out, budget=4, gamma=3, prompts_per_domain=3, held_out_per_domain=2,
                     continuation_tokens=6, max_prompt_tokens=32, backbone=tiny,
                     profile_kw={"contexts": (16,), "verify_ks": (1, 2), "repeats": 1}, progress=False,
-                    umap=False, search_mode="matchness", skip_ratio=0.3, check_margin=1.0, lookup_aware=True,
-                    matchness_window=2)
+                    umap=False, search_mode="matchness", skip_ratio=0.3, check_margin=1.0, lookup_aware=True)
     check = cal.meta["check"]
     assert set(check) == set(DOMAINS) and not any(c["passed"] for c in check.values())
     for d, skip in cal.domain_sets.items():
@@ -282,22 +285,18 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
         assert len(searched["attn"]) + len(searched["mlp"]) == 3       # 0.3 of 2 × 5 sublayers
     assert sum("CHECK FAILED for domain" in r.message for r in caplog.records) == len(DOMAINS)
     assert cal.meta["settings"]["search_mode"] == "matchness"
-    assert cal.meta["settings"]["search_method"] == "greedy"     # the default for fixed-size sets
-    # --lookup-aware: the check scored only the positions prompt lookup would not draft;
-    # --matchness-window 2: as drafts of 2 tokens see them
+    assert cal.meta["settings"]["search_method"] == "greedy"     # recorded: matchness mode's one method
+    # --lookup-aware: the check scored only the positions prompt lookup would not draft
     from ssd_core.calibration.domains import DOMAIN_DIR, load_prompts, split
     from ssd_core.calibration.matchness import build_match_data, matchness, model_drafted_only
-    assert cal.meta["settings"]["lookup_aware"] is True and cal.meta["settings"]["matchness_window"] == 2
-    draft, dropped, differs = tiny.draft_weights("int8"), 0, 0
+    assert cal.meta["settings"]["lookup_aware"] is True
+    draft, dropped = tiny.drafts.get("int8"), 0
     for d, prompts in load_prompts(DOMAIN_DIR).items():
-        held = build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False, window=2)
+        held = build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False)
         scored = model_drafted_only(held)
         dropped += held.tokens - scored.tokens
         assert cal.matchness["static"][d] == round(matchness(tiny, cal.static, scored, draft), 4)
-        plain = model_drafted_only(build_match_data(tiny, split(prompts)[1][:2], 6, 32, progress=False))
-        differs += round(matchness(tiny, cal.static, plain, draft), 4) != cal.matchness["static"][d]
     assert dropped > 0        # else the check above could not tell scored from plain data
-    assert differs > 0        # nor tell a windowed from a plain measure
     assert not (out / ".search_memo.json").exists()          # a finished run leaves no memo
     outside = cal.routing["check_set"]                       # routing on assets/routing_check/
     assert outside["prompts"] >= 7 and "overall" in outside["accuracy"]

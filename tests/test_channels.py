@@ -8,14 +8,15 @@ import torch.nn.functional as F
 
 from ssd_core import calibration as cal_io
 from ssd_core.calibration.channels import (STATIC, channel_importance, channel_means, channel_sets,
-                                          pooled, pooled_means, ranking, taylor_importance)
-from ssd_core.engine.draft import mlp_weights
+                                          pooled, pooled_means, ranking)
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.calibration.matchness import build_match_data, matchness
 from ssd_core.engine.backbone import EMPTY
+from ssd_core.engine.drafts import mlp_weights
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet
 from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.registry import build
 from ssd_core.policies.static import Static
 from hf_reference import hf_greedy
 from tiny import tiny_backbone
@@ -29,7 +30,7 @@ def ranked():
     bb = tiny_backbone()
     inter = bb.layers[0].wdown.shape[1]
     gen = torch.Generator().manual_seed(1)
-    bb.set_channel_ranks({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers]),
+    bb.drafts.install_channels({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers]),
                           STATIC: torch.arange(inter).repeat(bb.n_layers, 1)})
     return bb
 
@@ -42,7 +43,7 @@ def compensated():
     gen = torch.Generator().manual_seed(2)
     data = build_match_data(bb, ["Write a query that lists the orders."], continuation_tokens=8,
                             max_prompt_tokens=48, progress=False)
-    bb.set_channel_ranks({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers])},
+    bb.drafts.install_channels({"a": torch.stack([torch.randperm(inter, generator=gen) for _ in bb.layers])},
                          {"a": channel_means(bb, data)})
     return bb
 
@@ -65,16 +66,16 @@ def test_a_channel_draft_is_the_mlp_without_the_dropped_neurons(ranked, kind):
     """The cut weights compute exactly what the full MLP computes with the dropped neurons zeroed."""
     bb = ranked
     skip = SkipSet(name="a", channels="a", keep=0.5)
-    draft = bb.draft_weights(kind, small_head=False, skip=skip)
-    assert draft is bb.draft_weights(kind, small_head=False, skip=skip)          # built once
-    assert draft is not bb.draft_weights(kind, small_head=False)
+    draft = bb.drafts.get(kind, small_head=False, skip=skip)
+    assert draft is bb.drafts.get(kind, small_head=False, skip=skip)          # built once
+    assert draft is not bb.drafts.get(kind, small_head=False)
     assert "50% of MLP channels (a)" in draft.label
-    kept = bb.kept_channels("a", 0.5)
+    kept = bb.drafts.kept_channels("a", 0.5)
     n = bb.layers[0].wdown.shape[1]
     assert all(len(k) == n // 2 and torch.equal(k, k.sort().values) for k in kept)
     ids = bb.encode(PROMPT).ids
     out = bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=draft)
-    base = bb.draft_weights(kind, small_head=False)
+    base = bb.drafts.get(kind, small_head=False)
     layers = []
     for L, D, k in zip(bb.layers, base.layers if base is not None else bb.layers, kept):
         mask = torch.zeros(n, dtype=torch.bool)
@@ -111,74 +112,23 @@ def test_an_unknown_ranking_is_a_clear_error(ranked):
         generate(ranked, PROMPT, Static(SkipSet(name="x", channels="nope", keep=0.5)), max_new_tokens=4)
 
 
-@pytest.mark.parametrize("tokens", ["continuation", "all"])
-def test_the_ranking_puts_the_channels_that_matter_first(tokens):
+def test_the_ranking_puts_the_channels_that_matter_first():
     """Keeping the top half by importance drafts better than keeping the bottom half (it can fail)."""
     bb = tiny_backbone()
     data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
                             continuation_tokens=12, max_prompt_tokens=48, progress=False)
-    imp = channel_importance(bb, data, tokens)
+    imp = channel_importance(bb, data)
     assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
     r = ranking(imp)
-    bb.set_channel_ranks({"top": r, "bottom": r.flip(1)})
+    bb.drafts.install_channels({"top": r, "bottom": r.flip(1)})
     top = matchness(bb, SkipSet(channels="top", keep=0.5), data)
     bottom = matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
     assert top > bottom
 
 
-def test_taylor_importance_is_the_first_order_change_of_the_targets_log_probability():
-    """With one scored row, importance[i, j] = |d log p(target) / d(scale of channel j of layer i at that
-    row)|: checked against a central finite difference in transformers' model (float64)."""
-    bb = tiny_backbone()
-    data = build_match_data(bb, [PROMPT], continuation_tokens=6, max_prompt_tokens=48, progress=False)
-    scored = torch.full_like(data.targets[0], -1)
-    scored[3] = data.targets[0][3]
-    one = data.with_targets([scored])
-    model, row = bb.hf_model.double(), data.starts[0] - 1 + 3     # float64, for the finite differences
-    flags = [p.requires_grad for p in model.parameters()]
-    imp = taylor_importance(bb, one)
-    assert imp.shape == (bb.n_layers, bb.layers[0].wdown.shape[1]) and bool((imp >= 0).all())
-    assert not imp.requires_grad                 # a plain tensor, not the tail of every pass's graph
-    assert [p.requires_grad for p in bb.hf_model.parameters()] == flags     # the model is left as it was
-    assert all(p.grad is None for p in bb.hf_model.parameters())
-    seq = one.sequences[0]
-
-    def logp(i, j, scale):
-        """log p(target) with channel j of layer i scaled at the scored row only."""
-        def hook(_module, args):
-            x = args[0].clone()
-            x[0, row, j] *= scale
-            return (x,)
-        handle = model.model.layers[i].mlp.down_proj.register_forward_pre_hook(hook)
-        try:
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([seq])).logits[0, row]
-        finally:
-            handle.remove()
-        return float(torch.log_softmax(logits, -1)[int(scored[3])])
-
-    eps = 1e-2            # RMSNorm computes in float32: a smaller step drowns in its rounding
-    for i, j in [(0, int(imp[0].argmax())), (bb.n_layers - 1, int(imp[-1].argmax())), (2, 5)]:
-        slope = (logp(i, j, 1 + eps) - logp(i, j, 1 - eps)) / (2 * eps)
-        assert abs(slope) == pytest.approx(float(imp[i, j]), rel=1e-3, abs=1e-5)
-    with pytest.raises(ValueError, match="continuation"):
-        taylor_importance(bb, one, tokens="all")
-
-
-def test_taylor_rankings_draft_better_than_their_reverse():
-    bb = tiny_backbone()
-    data = build_match_data(bb, [PROMPT, "Summarise: the council voted to close the old bridge."],
-                            continuation_tokens=12, max_prompt_tokens=48, progress=False)
-    ranks, _, sets, static = channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="taylor")
-    bb.set_channel_ranks({**ranks, "bottom": ranks["sql"].flip(1)})
-    assert matchness(bb, sets["sql"], data) > matchness(bb, SkipSet(channels="bottom", keep=0.5), data)
-    with pytest.raises(ValueError, match="importance"):
-        channel_sets(bb, {"sql": data}, 0.5, progress=False, importance="nope")
-
-
 def test_continuation_importance_leaves_the_prompt_out():
-    """"continuation" averages over the rows from the prompt's last token on; "all" over every row.
-    With a one-token continuation the former is the last two rows alone."""
+    """Importance averages over the rows from the prompt's last token on: with a one-token
+    continuation, the last two rows alone."""
     bb = tiny_backbone()
     data = build_match_data(bb, [PROMPT], continuation_tokens=1, max_prompt_tokens=48, progress=False)
     seq, start = data.sequences[0], data.starts[0]
@@ -191,10 +141,12 @@ def test_continuation_importance_leaves_the_prompt_out():
             gate, up = F.linear(F.rms_norm(
                 h[start - 1:], (bb.hidden,), L.ln2, bb.eps), L.wgu).chunk(2, -1)
             want[i] = (F.silu(gate) * up).abs().mean(0) * L.wdown.norm(dim=0)
-    assert torch.allclose(channel_importance(bb, data, "continuation"), want, rtol=1e-4, atol=1e-7)
-    assert not torch.allclose(channel_importance(bb, data, "all"), want, rtol=1e-4, atol=1e-7)
-    with pytest.raises(ValueError, match="tokens must be one of"):
-        channel_importance(bb, data, "prompt")
+    assert torch.allclose(channel_importance(bb, data), want, rtol=1e-4, atol=1e-7)
+    every_row = torch.stack([(F.silu(g) * u).abs().mean(0) * bb.layers[i].wdown.norm(dim=0) for i, (g, u) in
+                             enumerate(F.linear(F.rms_norm(h, (bb.hidden,), bb.layers[i].ln2, bb.eps),
+                                                bb.layers[i].wgu).chunk(2, -1)
+                                       for i, kind, h, _ in collect if kind == "mlp")])
+    assert not torch.allclose(every_row, want, rtol=1e-4, atol=1e-7)   # the prompt's rows would change it
 
 
 def test_the_pooled_ranking_weighs_every_domain_alike():
@@ -203,20 +155,18 @@ def test_the_pooled_ranking_weighs_every_domain_alike():
     assert torch.allclose(pooled({"a": a, "b": b}), torch.tensor([[1.0, 1.0, 0.0]]))
 
 
-@pytest.mark.parametrize("compensation", ["none", "mean"])
-def test_channel_calibration_end_to_end(tmp_path, compensation):
-    from ssd_core import calibration as cal_io
-    from ssd_core.calibration.build import calibrate
+@pytest.mark.slow
+def test_channel_calibration_end_to_end(tmp_path):
+    from ssd_core.calibration.build import CalibrationSettings, calibrate
     bb = tiny_backbone()
-    cal = calibrate(None, tmp_path / "ch", gamma=3, prompts_per_domain=4, held_out_per_domain=3,
-                    continuation_tokens=8, max_prompt_tokens=48, backbone=bb,
-                    profile_kw={"contexts": (16, 64), "verify_ks": (1, 2, 4), "repeats": 2},
-                    progress=False, umap=False, search_mode="channels", channel_keep=0.6,
-                    channel_compensation=compensation)
+    settings = CalibrationSettings(gamma=3, prompts_per_domain=4, held_out_per_domain=3, continuation_tokens=8,
+                                   max_prompt_tokens=48, umap=False, search_mode="channels", channel_keep=0.6)
+    cal = calibrate(None, tmp_path / "ch", settings, backbone=bb, progress=False,
+                    profile_kw={"contexts": (16, 64), "verify_ks": (1, 2, 4), "repeats": 2})
     assert cal.static == SkipSet(name=STATIC, channels=STATIC, keep=0.6)
     assert cal.meta["settings"]["channel_keep"] == 0.6 and cal.meta["search"] == {}
-    assert cal.meta["settings"]["channel_compensation"] == compensation
-    assert (tmp_path / "ch" / "channel_means.npz").exists() == (compensation == "mean")
+    assert cal.meta["settings"]["channel_compensation"] == "mean"        # the settled choice, as a label
+    assert (tmp_path / "ch" / "channel_means.npz").exists()
     for d in DOMAINS:
         s = cal.domain_sets[d]
         assert s.channels in (d, STATIC) and s.keep == 0.6 and not s.attn and not s.mlp
@@ -224,25 +174,25 @@ def test_channel_calibration_end_to_end(tmp_path, compensation):
     assert (tmp_path / "ch" / "channels.npz").exists()
     fresh = tiny_backbone()
     again = cal_io.load(tmp_path / "ch", fresh)
-    assert set(fresh.channel_ranks) == set(DOMAINS) | {STATIC}
-    assert all(torch.equal(fresh.channel_ranks[k], bb.channel_ranks[k]) for k in fresh.channel_ranks)
-    assert set(fresh.channel_means) == (set(fresh.channel_ranks) if compensation == "mean" else set())
-    assert all(torch.allclose(fresh.channel_means[k], bb.channel_means[k]) for k in fresh.channel_means)
+    installed = fresh.drafts
+    assert set(installed.channel_ranks) == set(installed.channel_means) == set(DOMAINS) | {STATIC}
+    assert all(torch.equal(installed.channel_ranks[k], bb.drafts.channel_ranks[k]) for k in installed.channel_ranks)
+    assert all(torch.allclose(installed.channel_means[k], bb.drafts.channel_means[k]) for k in installed.channel_means)
     prompt = "Translate German to English: Guten Morgen."
     ar = generate(fresh, prompt, Autoregressive(), max_new_tokens=16).token_ids
     for name in ("static", "knn", "oracle"):
-        g = generate(fresh, prompt, again.strategy(name, gamma=3, category="translation"), max_new_tokens=16, gamma=3)
+        g = generate(fresh, prompt, build(again, name, gamma=3, category="translation"), max_new_tokens=16, gamma=3)
         assert g.token_ids == ar, name
-    with pytest.raises(ValueError, match="channel_compensation must be one of"):
-        calibrate(None, tmp_path / "no", backbone=bb, search_mode="channels", channel_compensation="median")
+    with pytest.raises(ValueError, match="channel_keep must lie in"):
+        calibrate(None, tmp_path / "no", settings, backbone=bb, channel_keep=0.0)
     (tmp_path / "ch" / "channels.npz").write_bytes(b"changed")
     with pytest.raises(cal_io.CalibrationError, match="checksum"):
         cal_io.load(tmp_path / "ch", tiny_backbone())
 
 
 def test_a_cut_draft_shares_the_head_and_attention_of_its_base(ranked):
-    base = ranked.draft_weights("int8", small_head=False)
-    cut = ranked.draft_weights("int8", small_head=False, skip=SkipSet(channels="a", keep=0.5))
+    base = ranked.drafts.get("int8", small_head=False)
+    cut = ranked.drafts.get("int8", small_head=False, skip=SkipSet(channels="a", keep=0.5))
     assert cut.head is base.head and base.channels is None and cut.channels == ("a", 0.5)
     assert all(c.wqkv is b.wqkv and c.wo is b.wo and c.wgu is not b.wgu for c, b in zip(cut.layers, base.layers))
 
@@ -274,9 +224,9 @@ def test_a_compensated_draft_is_the_cut_draft_plus_the_bias(compensated, kind):
     """The whole draft: what a model with the dropped neurons zeroed and the bias added computes."""
     bb = compensated
     skip = SkipSet(name="a", channels="a", keep=0.5)
-    draft = bb.draft_weights(kind, small_head=False, skip=skip)
+    draft = bb.drafts.get(kind, small_head=False, skip=skip)
     assert draft.compensated and "50% of MLP channels (a), the rest as their mean" in draft.label
-    kept = bb.kept_channels("a", 0.5)
+    kept = bb.drafts.kept_channels("a", 0.5)
     n = bb.layers[0].wdown.shape[1]
     layers = []
     for i, (L, k) in enumerate(zip(bb.layers, kept)):
@@ -285,7 +235,7 @@ def test_a_compensated_draft_is_the_cut_draft_plus_the_bias(compensated, kind):
         layers.append(types.SimpleNamespace(
             ln1=L.ln1, ln2=L.ln2, wqkv=L.wqkv, bqkv=L.bqkv, wo=L.wo,
             wgu=L.wgu * torch.cat([mask, mask]).float()[:, None], wdown=L.wdown,
-            bdown=L.wdown[:, ~mask] @ bb.channel_means["a"][i][~mask]))
+            bdown=L.wdown[:, ~mask] @ bb.drafts.channel_means["a"][i][~mask]))
     ids = bb.encode(PROMPT).ids
     run = lambda d: bb.forward(ids, bb.new_cache(len(ids)), EMPTY, logits="all", draft=d)
     ref = run(types.SimpleNamespace(layers=layers, linear=F.linear, head=lambda h: F.linear(h, bb.lm_head)))
@@ -319,13 +269,8 @@ def test_channel_means_are_the_continuations_mean_activation():
     means = channel_means(bb, data)
     assert torch.allclose(means, total / rows, atol=1e-5)
     assert bool((means < 0).any())                       # signed, unlike the importance
-    ranks, by, _, _ = channel_sets(bb, {"sql": data, "qa": data.with_targets(data.targets)}, 0.5, progress=False,
-                                   compensation="mean")
+    ranks, by, _, _ = channel_sets(bb, {"sql": data, "qa": data.with_targets(data.targets)}, 0.5, progress=False)
     assert set(by) == {"sql", "qa", STATIC} and torch.allclose(by[STATIC], means)
-    # the means are the continuation's whatever rows the ranking reads; none without compensation
-    assert torch.allclose(channel_sets(bb, {"sql": data}, 0.5, progress=False, tokens="all",
-                                       compensation="mean")[1]["sql"], means, atol=1e-5)
-    assert channel_sets(bb, {"sql": data}, 0.5, progress=False)[1] is None
     assert torch.allclose(pooled_means({"a": torch.zeros(2, 3), "b": torch.ones(2, 3)}), torch.full((2, 3), 0.5))
 
 
@@ -333,13 +278,13 @@ def test_means_must_fit_an_installed_ranking():
     bb = tiny_backbone()
     r = torch.arange(bb.layers[0].wdown.shape[1]).repeat(bb.n_layers, 1)
     with pytest.raises(ValueError, match="not installed"):
-        bb.set_channel_ranks({"a": r}, {"b": torch.zeros(r.shape)})
+        bb.drafts.install_channels({"a": r}, {"b": torch.zeros(r.shape)})
     with pytest.raises(ValueError, match="mean activations 'a' has shape"):
-        bb.set_channel_ranks({"a": r}, {"a": torch.zeros(2, 3)})
-    bb.set_channel_ranks({"a": r}, {"a": torch.zeros(r.shape)})
-    assert bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
-    bb.set_channel_ranks({"a": r})                       # re-installed without: the cut drafts are rebuilt
-    assert not bb.draft_weights("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
+        bb.drafts.install_channels({"a": r}, {"a": torch.zeros(2, 3)})
+    bb.drafts.install_channels({"a": r}, {"a": torch.zeros(r.shape)})
+    assert bb.drafts.get("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
+    bb.drafts.install_channels({"a": r})                       # re-installed without: the cut drafts are rebuilt
+    assert not bb.drafts.get("fp32", False, SkipSet(channels="a", keep=0.5)).compensated
 
 
 COMMITTED = Path(__file__).resolve().parents[1] / "assets" / "calibration"

@@ -32,11 +32,11 @@ def test_greedy_speculative_equals_autoregressive(tiny, skip, gamma, threshold, 
     """The central property: any skip set, draft kind, lookup or draft head leaves the output unchanged."""
     cfg = DecodeConfig(max_new_tokens=max_new, gamma=gamma, threshold=threshold, draft=draft, lookup=lookup)
     ar = generate(tiny, prompt, Autoregressive(), cfg)
-    tiny.set_draft_head(range(0, tiny.vocab, 3) if small_head else None)
+    tiny.drafts.set_head(range(0, tiny.vocab, 3) if small_head else None)
     try:
         spec = generate(tiny, prompt, Static(skip), cfg)
     finally:
-        tiny.set_draft_head(None)
+        tiny.drafts.set_head(None)
     assert spec.token_ids == ar.token_ids
     assert len(spec.token_ids) <= max_new
 

@@ -88,7 +88,7 @@ def test_the_core_creates_every_tensor_on_the_models_device(audited_generators, 
     sources = set()
     with audit:
         bb = Backbone(hf.hf_model, hf.tokenizer, name="tiny-audit")
-        bb.set_draft_head(range(0, bb.vocab, 2))     # the small draft head (scattered logits)
+        bb.drafts.set_head(range(0, bb.vocab, 2))     # the small draft head (scattered logits)
         for lookup in (PromptLookup, EagerLookup):
             monkeypatch.setattr(decode_module, "PromptLookup", lookup)
             for draft in ("int8", "fp32"):
@@ -98,7 +98,8 @@ def test_the_core_creates_every_tensor_on_the_models_device(audited_generators, 
                     g = generate(bb, PROMPT, Static(SKIP), cfg)
                     sources |= {(s.source, temperature > 0) for s in g.steps}
         generate(bb, PROMPT, Autoregressive(), DecodeConfig(max_new_tokens=4))
-        bb._drafts[("int8", True, None)] = DraftWeights(bb, "int8", bb.draft_head_ids, int8_kernel=False)
+        bb.drafts.int8_kernel = False                 # the dequantised int8 draft (the path for CUDA)
+        bb.drafts.clear()
         generate(bb, PROMPT, Static(SKIP), DecodeConfig(max_new_tokens=8, gamma=3, temperature=0.8))
         profile(bb, contexts=(8, 16), verify_ks=(1, 2), repeats=1, progress=False)
         prompt_similarity(bb, bb.encode(PROMPT).ids)
@@ -124,11 +125,13 @@ def test_the_dequantised_int8_draft_the_cuda_path_uses_is_lossless_and_labelled(
     agree = (out["dequant"].argmax(-1) == out["fp32"].argmax(-1)).float().mean()
     assert agree >= (out["kernel"].argmax(-1) == out["fp32"].argmax(-1)).float().mean() - 0.05
     assert dequant.extra_bytes() > kernel.extra_bytes()           # a full-precision copy, said honestly
-    bb._drafts[("int8", False, None)] = dequant
+    bb.drafts.int8_kernel = False
+    bb.drafts.clear()
     cfg = DecodeConfig(max_new_tokens=16, gamma=3, small_head=False)
     ar = generate(bb, PROMPT, Autoregressive(), cfg).token_ids
     spec = generate(bb, PROMPT, Static(SKIP), cfg)
     assert spec.token_ids == ar and spec.start.draft == dequant.label
+    assert bb.drafts.get("int8", small_head=False).kernel is False
 
 
 def test_timings_wait_for_the_device(tiny, monkeypatch):
@@ -197,8 +200,10 @@ def _cli(main, argv, capsys):
 def cli_setup(monkeypatch, tmp_path):
     import ssd_core.calibration.build as build
     import ssd_core.engine.loading as loading
-    monkeypatch.setattr(loading, "load_backbone", _stop_loading)
-    monkeypatch.setattr(build, "load_backbone", _stop_loading)
+    import ssd_core.tools.bench as bench
+    import ssd_core.tools.scaling as scaling
+    for module in (loading, build, bench, scaling):      # every module that binds load_backbone at import
+        monkeypatch.setattr(module, "load_backbone", _stop_loading)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)    # the CLIs set threads; not in tests
     q = tmp_path / "q.jsonl"
     q.write_text('{"question_id": 1, "category": "qa", "turns": ["Why?"]}\n')

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from ssd_core.calibration.domain_map import MODEL_FILE, DomainMap, DomainMapError
+from ssd_core.calibration.umap_map import MODEL_FILE, DomainMap, DomainMapError
 
 N_CLUSTERS, PER_CLUSTER, DIM = 5, 30, 16
 
@@ -34,12 +34,14 @@ def _cluster_centroids(coords):
     return coords.reshape(N_CLUSTERS, PER_CLUSTER, 2).mean(1)
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_fit_gives_one_point_per_vector(fitted):
     dm, vectors, *_ = fitted
     assert dm.coords.shape == (len(vectors), 2)
     assert np.all(np.isfinite(dm.coords))
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_transform_lands_near_its_cluster(fitted):
     dm, *_ = fitted
     centroids = _cluster_centroids(dm.coords)
@@ -50,6 +52,7 @@ def test_transform_lands_near_its_cluster(fitted):
             assert int(np.argmin(np.linalg.norm(centroids - xy, axis=1))) == c
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_transform_is_fast_after_warm(fitted):
     dm, vectors, warm_s, _ = fitted
     q = vectors[7] + 0.01
@@ -58,11 +61,13 @@ def test_transform_is_fast_after_warm(fitted):
     assert time.perf_counter() - t0 < 0.2
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_transform_rejects_wrong_width(fitted):
     with pytest.raises(DomainMapError, match="fitted on"):
         fitted[0].transform(np.ones(DIM + 2))
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_save_load_round_trip(fitted, tmp_path):
     dm, vectors, *_ = fitted
     info = dm.save(tmp_path)
@@ -72,6 +77,7 @@ def test_save_load_round_trip(fitted, tmp_path):
     np.testing.assert_allclose(again.transform(vectors[3]), dm.transform(vectors[3]), atol=1e-4)
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_tampered_file_is_refused_before_unpickling(fitted, tmp_path, monkeypatch):
     dm, *_ = fitted
     info = dm.save(tmp_path)
@@ -89,6 +95,7 @@ def test_tampered_file_is_refused_before_unpickling(fitted, tmp_path, monkeypatc
     assert not marker.exists()
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_load_needs_a_checksum_and_the_file(fitted, tmp_path):
     with pytest.raises(DomainMapError, match="no fitted UMAP"):
         DomainMap.load(tmp_path, "0" * 64)
@@ -110,6 +117,7 @@ def test_coords_only_map_cannot_place_points(tmp_path):
         DomainMap.coords_only(np.zeros((3, 3)))
 
 
+@pytest.mark.slow          # the UMAP fit: umap's first import compiles numba code
 def test_load_without_umap_is_a_domain_map_error(fitted, tmp_path, monkeypatch):
     info = fitted[0].save(tmp_path)
     monkeypatch.setitem(__import__("sys").modules, "umap", None)   # makes `import umap` fail

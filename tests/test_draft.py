@@ -19,9 +19,9 @@ from ssd_core.policies.static import Static
 @pytest.fixture
 def head_on(tiny):
     """The tiny model with a small draft head of every third token (removed afterwards)."""
-    tiny.set_draft_head(range(0, tiny.vocab, 3))
+    tiny.drafts.set_head(range(0, tiny.vocab, 3))
     yield tiny
-    tiny.set_draft_head(None)
+    tiny.drafts.set_head(None)
 
 
 # --- prompt lookup ----------------------------------------------------------------------------------
@@ -107,10 +107,15 @@ def test_int8_codes_are_torchs_per_channel_quantisation(levels, monkeypatch):
 
 
 def test_seven_bit_codes_cannot_saturate_the_kernels_int16_pair_sums():
-    """Two u8 activations times two codes must fit in int16 (fbgemm without VNNI sums pairs there)."""
-    from ssd_core.engine.draft import WEIGHT_LEVELS, _cpu_has_vnni
-    assert WEIGHT_LEVELS == (127 if _cpu_has_vnni() else 63)
-    assert 2 * 255 * 64 <= 32767 < 2 * 255 * 128
+    """Without VNNI fbgemm sums pairs of u8 activation × code products in int16: the codes made for such
+    a CPU (63 levels) keep every pair inside it, the 8-bit ones would not."""
+    from ssd_core.engine.draft import _int8_codes
+    gen = torch.Generator().manual_seed(1)
+    w = torch.cat([torch.randn(16, 64, generator=gen), -torch.ones(1, 64), torch.ones(1, 64)])  # both extremes
+
+    def worst_pair(codes):
+        return 2 * 255 * int(codes.abs().max())
+    assert worst_pair(_int8_codes(w, 63)[0]) <= 32767 < worst_pair(_int8_codes(w, 127)[0])
 
 
 def test_unknown_draft_kind_is_refused(tiny):
@@ -121,8 +126,8 @@ def test_unknown_draft_kind_is_refused(tiny):
 
 
 def test_backbone_builds_each_draft_once(tiny):
-    assert tiny.draft_weights("fp32", small_head=False) is None      # fp32 without a head: the model itself
-    assert tiny.draft_weights("int8") is tiny.draft_weights("int8")
+    assert tiny.drafts.get("fp32", small_head=False) is None      # fp32 without a head: the model itself
+    assert tiny.drafts.get("int8") is tiny.drafts.get("int8")
 
 
 # --- the small draft head ------------------------------------------------------------------------------
@@ -140,12 +145,22 @@ def test_small_head_drafts_only_its_tokens_and_never_changes_the_output(head_on)
 
 
 def test_small_head_in_sampling_mode_is_renormalised_over_the_subset(head_on):
-    tiny = head_on
+    """The first draft token's q is the softmax over the head's tokens only, recomputed here from the
+    full-vocabulary logits of the same skipped pass (the share a full-vocab softmax gives is smaller)."""
+    tiny, skip = head_on, SkipSet({1}, set())
     cfg = DecodeConfig(max_new_tokens=20, gamma=3, temperature=1.0, seed=3, draft="fp32", lookup=False)
-    events = list(decode(tiny, "sampled", Static(SkipSet({1}, set())), cfg))
-    steps = events[1:]
+    events = list(decode(tiny, "sampled", Static(skip), cfg))
+    start, steps = events[0], events[1:]
     assert all(t % 3 == 0 for s in steps for t in s.drafted)
-    assert all(0.0 < p <= 1.0 for s in steps for p in s.draft_probs)
+    prompt = tiny.encode("sampled")
+    cache = tiny.new_cache(len(prompt) + 2)
+    tiny.prefill(prompt, cache)
+    logits = tiny.forward([start.first_token], cache, skip)       # every token: the verifier's head
+    ids = torch.arange(0, tiny.vocab, 3)
+    d = steps[0].drafted[0]
+    over_subset = float(torch.softmax(logits[ids], -1)[d // 3])
+    assert steps[0].draft_probs[0] == pytest.approx(over_subset, rel=1e-3)
+    assert over_subset > 1.5 * float(torch.softmax(logits, -1)[d])
 
 
 def test_frequent_tokens_ranks_by_count_then_id():
@@ -192,7 +207,7 @@ def test_search_scores_candidates_with_the_draft_it_will_use(tiny):
     data = build_match_data(tiny, ["the quick brown fox", "jumps over"], continuation_tokens=8, progress=False)
     lat = _latency(int8={"attn_a": 0.3e-3, "attn_b": 0.0, "mlp": 0.5e-3, "head": 0.5e-3, "overhead": 1e-3})
     lat = LatencyModel(**{**lat.__dict__, "n_layers": tiny.n_layers})
-    draft = tiny.draft_weights("int8")
+    draft = tiny.drafts.get("int8")
     r = search_skip_set(tiny, data, lat, budget=6, progress=False, draft=draft)
     assert r.matchness == pytest.approx(matchness(tiny, r.skip, data, draft))
     fp32 = [h["matchness"] for h in search_skip_set(tiny, data, lat, budget=6, progress=False).history]

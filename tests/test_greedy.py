@@ -81,7 +81,7 @@ def data(tiny):
 def test_greedy_search_keeps_the_ratio_and_reports_the_set_it_built(tiny, data):
     lat = latency_for(tiny.n_layers)
     r = search_skip_set(tiny, data, lat, budget=40, progress=False, mode="matchness", skip_ratio=0.3,
-                        name="qa", method="greedy")
+                        name="qa")
     assert len(r.skip) == 3 and r.skip.name == "qa"
     assert r.matchness == matchness(tiny, r.skip, data)
     full = [h for h in r.history if h["feasible"]]
@@ -91,27 +91,14 @@ def test_greedy_search_keeps_the_ratio_and_reports_the_set_it_built(tiny, data):
     # the same search again, from the memo it left: the same set, no new passes
     memo: dict = {}
     first = search_skip_set(tiny, data, lat, budget=40, progress=False, mode="matchness", skip_ratio=0.3,
-                            method="greedy", known=memo, on_new=lambda k, v: None)
+                            known=memo, on_new=lambda k, v: None)
     again = search_skip_set(tiny, data, lat, budget=40, progress=False, mode="matchness", skip_ratio=0.3,
-                            method="greedy", known=dict(memo), on_new=lambda k, v: pytest.fail(k))
+                            known=dict(memo), on_new=lambda k, v: pytest.fail(k))
     assert again.skip == first.skip
 
 
-def test_greedy_is_for_fixed_size_sets_only(tiny, data):
-    lat = latency_for(tiny.n_layers)
-    with pytest.raises(ValueError, match="fixed size"):
-        search_skip_set(tiny, data, lat, budget=5, progress=False, mode="speed", method="greedy")
-    with pytest.raises(ValueError, match="search method"):
-        search_skip_set(tiny, data, lat, budget=5, progress=False, mode="matchness", method="annealing")
-
-
-def test_search_all_passes_the_method_on(tiny, data):
+def test_search_all_searches_matchness_mode_greedily(tiny, data):
     sets, static = search_all(tiny, {"math": data}, latency_for(tiny.n_layers), budget=8,
-                              progress=False, mode="matchness", skip_ratio=0.3, method="greedy")
+                              progress=False, mode="matchness", skip_ratio=0.3)
     assert len(sets["math"].skip) == len(static.skip) == 3
     assert any(len(h["attn"]) + len(h["mlp"]) == 1 for h in static.history)
-
-
-def test_the_cli_default_method_follows_the_mode():
-    from ssd_core.calibration.search import default_method
-    assert default_method("matchness") == "greedy" and default_method("speed") == "tpe"

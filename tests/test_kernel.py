@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy
-from ssd_core.engine.backbone import onednn_available
+from ssd_core.engine.weights import onednn_available
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet

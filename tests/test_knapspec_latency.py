@@ -51,6 +51,23 @@ def test_expected_speedup_by_hand():
     assert m.expected_speedup(skip, 0.8, 4, 100) == pytest.approx(expected_tokens(0.8, 4) / (4 * c + v))
 
 
+def test_cost_breakdown_by_hand():
+    """The cost panel's numbers, worked out on paper for the set above at context 100, γ 4, α 0.8."""
+    b = lat().breakdown(SkipSet({1, 2}, {3}), 0.8, 4, 100)
+    full = 1e-3 + 1e-3 + 5 * 2.1e-3 + 5 * 3e-3                 # overhead + head + 5 attn + 5 MLP = 27.5 ms
+    c = (full - 2 * 2.1e-3 - 3e-3) / full                     # 20.3 / 27.5
+    tau = 1 + 0.8 + 0.64 + 0.512 + 0.4096                     # 3.3616
+    assert b["full_step_ms"] == pytest.approx(27.5) and b["draft_step_ms"] == pytest.approx(20.3)
+    assert b["attn_ms"] == pytest.approx(2.1) and b["mlp_ms"] == pytest.approx(3.0)
+    assert b["draft_cost"] == pytest.approx(c) and b["verify_cost"] == pytest.approx(1.3)
+    assert b["expected_tokens"] == pytest.approx(tau) and b["step_cost"] == pytest.approx(4 * c + 1.3)
+    assert b["predicted_speedup"] == pytest.approx(tau / (4 * c + 1.3))
+    assert b["best_speedup"] == pytest.approx(5 / (4 * c + 1.3))
+    a = b["break_even"]                                       # τ(a) equals the step's cost there
+    assert sum(a ** k for k in range(5)) == pytest.approx(4 * c + 1.3)
+    assert lat().breakdown(SkipSet(), 0.8, 4)["break_even"] is None    # a full-cost draft never breaks even
+
+
 def test_verify_cost_interpolates_and_extrapolates():
     m = lat()
     assert m.verify_cost(1) == 1.0
@@ -69,9 +86,27 @@ def test_latency_round_trip_and_break_even():
 def test_profile_on_tiny_model(tiny):
     m = profile(tiny, contexts=(16, 64, 128), verify_ks=(1, 2, 5), repeats=3, progress=False)
     assert m.n_layers == tiny.n_layers
-    assert m.attn_a > 0 and m.mlp > 0 and m.head > 0
     assert set(m.verify) == {1, 2, 5}
     assert len(fit_report(m)) == 3
+
+
+def test_profile_recovers_a_known_cost_model(tiny, monkeypatch):
+    """Forwards timed by a known cost model: the profile's fit must give its numbers back (the real
+    timings above are too noisy on a shared CPU to check anything but the shape)."""
+    import ssd_core.calibration.latency as latency
+    A, B, M, BARE, V = 2e-4, 3e-6, 5e-4, 0.2, 1e-3
+
+    def timed(bb, cache, n_tokens, context, skip, repeats, draft=None):
+        L = bb.n_layers
+        return BARE + (L - len(skip.attn)) * (A + B * context) + (L - len(skip.mlp)) * M + V * (n_tokens - 1)
+    monkeypatch.setattr(latency, "_time_forward", timed)
+    m = profile(tiny, contexts=(16, 64, 128), verify_ks=(1, 2, 5), repeats=1, progress=False, drafts=())
+    assert (m.attn_a, m.attn_b, m.mlp) == (pytest.approx(A), pytest.approx(B), pytest.approx(M))
+    assert m.overhead + m.head == pytest.approx(BARE)          # the head is timed for real, the rest is not
+    assert all(abs(r["error_pct"]) < 0.1 for r in fit_report(m))
+    ref = 64                                                   # verify costs are timed at the second context
+    assert m.verify[5] == pytest.approx(timed(tiny, None, 5, ref, EMPTY, 1) / timed(tiny, None, 1, ref, EMPTY, 1),
+                                        abs=1e-4)
 
 
 def test_auto_falls_back_when_a_loss_is_predicted(tiny):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ssd_core.engine import loading
-from ssd_core.engine.backbone import Backbone, plain_llama_rope_theta
+from ssd_core.engine.backbone import Backbone
+from ssd_core.engine.weights import plain_llama_rope_theta
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet

@@ -4,6 +4,7 @@ import pytest
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.policies.ar import Autoregressive
+from ssd_core.policies.registry import build as build_strategy
 from ssd_core.policies.static import Static
 from ssd_core.tools.microbench import example_skip
 
@@ -63,7 +64,7 @@ def test_greedy_output_equals_transformers_generate(real_model, held_out_prompts
     diffs = []
     drafted = 0
     for domain, ids in held_out_prompts.items():
-        strat = cal.strategy(name, gamma=gamma, domain=domain if name == "oracle" else None)
+        strat = build_strategy(cal, name, gamma=gamma, domain=domain if name == "oracle" else None)
         g = generate(real_model, ids, strat, cfg)
         ref = hf_references[domain]
         drafted += g.stats.drafted

@@ -159,6 +159,7 @@ def bonus_pit_p(target: Target, sequences: list[tuple], seed: int = 0) -> float:
     return float(kstest(pit, "uniform").pvalue)
 
 
+@pytest.mark.slow
 def test_speculative_sampling_joint_law_matches_target(setting):
     bb, prompt, target, cells = setting
     samples, accepted, bonus = first_tokens(bb, prompt, range(N))
@@ -204,6 +205,7 @@ def _resample_from_p(logits, drafted, q_rows, cfg, gen, p_rows=None):
     return len(drafted), D._sample(p_rows[len(drafted)], gen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrong_rule", [_always_accept, _accept_q_over_p],
                          ids=["always-accept", "min(1,q/p)"])
 def test_chi_square_rejects_wrong_acceptance_rules(setting, monkeypatch, wrong_rule):

@@ -147,66 +147,6 @@ def test_matchness_on_model_drafted_positions_only(tiny, data):
     assert merge([kept, data]).tokens == kept.tokens + data.tokens
 
 
-def decoding_draft_logits(bb, seq, start: int, skip: SkipSet, window: int) -> torch.Tensor:
-    """Independent of Backbone.forward(window=…): what decoding with drafts of `window` tokens does.
-    The verifier leaves the full model's KV for the text before each draft; the draft then runs one
-    token at a time on its own KV (decode._step), from the block's first position."""
-    full = bb.new_cache(len(seq))
-    bb.forward(seq[:-1], full, EMPTY, logits="none")
-    out = []
-    for b in range(start - 1, len(seq) - 1, window):
-        cache = bb.new_cache(len(seq))
-        cache.k.copy_(full.k)
-        cache.v.copy_(full.v)
-        cache.length = b
-        for pos in range(b, min(b + window, len(seq) - 1)):
-            out.append(bb.forward([seq[pos]], cache, skip, logits="last"))
-    return torch.stack(out)
-
-
-@pytest.mark.parametrize("window", [1, 3])
-def test_windowed_matchness_is_what_decoding_drafts_see(tiny, window):
-    data = build_match_data(tiny, PROMPTS, continuation_tokens=16, progress=False, window=window)
-    assert data.window == window and len(data.continuation_kv) == len(data)
-    assert matchness(tiny, SkipSet(), data) == 1.0
-    skip = SkipSet({1, 3}, {2})
-    hits = 0
-    for seq, start, target, (pk, pv), (ck, cv) in zip(data.sequences, data.starts, data.targets,
-                                                      data.prefix_kv, data.continuation_kv):
-        expected = decoding_draft_logits(tiny, seq, start, skip, window)
-        cache = tiny.new_cache(len(seq))
-        cache.k[:, :, :start - 1], cache.v[:, :, :start - 1] = pk, pv
-        cache.k[:, :, start - 1:len(seq) - 1], cache.v[:, :, start - 1:len(seq) - 1] = ck, cv
-        cache.length = start - 1
-        got = tiny.forward(seq[start - 1:-1], cache, skip, logits="all", window=window)
-        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
-        hits += int((expected.argmax(-1) == target).sum())
-    assert matchness(tiny, skip, data) * data.tokens == pytest.approx(hits)
-    # without the stored keys / values the same numbers are recomputed
-    bare = MatchData(data.sequences, data.starts, data.targets, window=window)
-    assert matchness(tiny, skip, bare) == matchness(tiny, skip, data)
-
-
-def test_a_window_past_the_continuation_is_swifts_measure(tiny, data):
-    """Drafting the whole continuation in one block is reading the draft's own KV all along."""
-    long = build_match_data(tiny, PROMPTS, continuation_tokens=16, progress=False, window=64)
-    for skip in (SkipSet({1, 3}, {2}), SkipSet({2}, {1, 3})):
-        assert matchness(tiny, skip, long) == pytest.approx(matchness(tiny, skip, data))
-
-
-def test_the_window_travels_with_the_data(tiny, data):
-    windowed = build_match_data(tiny, OTHER, continuation_tokens=12, progress=False, window=2)
-    kept = model_drafted_only(windowed)
-    assert kept.window == 2 and kept.continuation_kv == windowed.continuation_kv
-    assert merge([windowed, kept]).window == 2 and len(merge([windowed, kept]).continuation_kv) == 2 * len(OTHER)
-    with pytest.raises(ValueError, match="different windows"):
-        merge([data, windowed])
-    with pytest.raises(ValueError):          # the full model's continuation KV only means something with a window
-        MatchData(windowed.sequences, windowed.starts, windowed.targets, continuation_kv=windowed.continuation_kv)
-    with pytest.raises(ValueError):
-        MatchData(data.sequences, data.starts, data.targets, window=0)
-
-
 def test_match_data_rejects_inconsistent_rows(data):
     with pytest.raises(ValueError):
         MatchData(data.sequences, data.starts, data.targets[:-1])
@@ -333,9 +273,12 @@ def test_matchness_mode_keeps_the_ratio_and_maximises_matchness(tiny, data):
     assert count == 3                       # 0.3 × 2 × 5 sublayers
     r = search_skip_set(tiny, data, latency_for(tiny.n_layers), budget=15, progress=False,
                         mode="matchness", skip_ratio=0.3, name="qa")
-    assert all(len(h["attn"]) + len(h["mlp"]) == count for h in r.history)
+    sizes = {len(h["attn"]) + len(h["mlp"]) for h in r.history}
+    assert sizes == set(range(1, count + 1))           # greedy: single sublayers first, built up to count
+    feasible = [h for h in r.history if h["feasible"]]
+    assert feasible and all(len(h["attn"]) + len(h["mlp"]) == count for h in feasible)
     assert len(r.skip) == count and r.skip.name == "qa"
-    assert r.objective == r.matchness == max(h["matchness"] for h in r.history)
+    assert r.objective == r.matchness == max(h["matchness"] for h in feasible)
     assert r.matchness == matchness(tiny, r.skip, data)
     # its objective is matchness, not speed: a speed search on the same data picks by speedup
     assert all(h["objective"] == h["matchness"] for h in r.history)
@@ -348,7 +291,7 @@ def test_matchness_mode_rejects_bad_settings(tiny, data):
         search_skip_set(tiny, data, lat, budget=3, progress=False, mode="fastest")
     with pytest.raises(ValueError, match="skip ratio"):
         search_skip_set(tiny, data, lat, budget=3, progress=False, mode="matchness", skip_ratio=1.5)
-    with pytest.raises(ValueError, match="exactly"):
+    with pytest.raises(ValueError, match="no initial set"):
         search_skip_set(tiny, data, lat, budget=3, progress=False, mode="matchness", skip_ratio=0.3,
                         initial=SkipSet({2}, set()))
 
@@ -362,7 +305,7 @@ def test_a_resumed_search_replays_without_forward_passes(tiny, data, mode, monke
     first = search_skip_set(tiny, data, lat, budget=12, seed=1, progress=False, mode=mode,
                             known=memo, on_new=lambda k, v: None)
     n = len(memo)
-    assert n >= 8           # (the tiny model's fixed-size space holds only 20 sets: TPE finds fewer)
+    assert n >= 8           # 
     half = dict(list(memo.items())[:n // 2])            # as if killed halfway
     calls = []
     real = search.matchness

@@ -19,14 +19,13 @@ import torch
 import app
 import ssd_core.calibration.build
 from ssd_core.calibration.latency import LatencyModel
-from ssd_core.engine.decode import DecodeConfig, Step
+from ssd_core.engine.decode import Step
 from ssd_core.engine.ties import NEAR_TIE, logit_gap
 from ssd_core.engine.trace import Trace
 from viz import handlers
 from viz import limits as vlimits
 from viz import startup
 from viz import stats as vstats
-from viz import studio as vstudio
 from viz import trace_handlers as th
 from viz import walk_handlers as wh
 from viz.limits import CAPS, Limits

@@ -7,13 +7,14 @@ import torch
 from ssd_core.engine.decode import DecodeConfig, Start
 from ssd_core.engine.generate import generate
 from ssd_core.engine.trace import FORMAT, VERSION, Trace, TraceError, record
+from ssd_core.policies.registry import build as build_strategy
 
 PROMPT = "Sum 3 and 4, then say why."
 
 
 def _trace(tiny, tiny_calibration, name="knn", **cfg_kw):
     cfg = DecodeConfig(max_new_tokens=24, gamma=3, **cfg_kw)
-    gen = generate(tiny, PROMPT, tiny_calibration.strategy(name, gamma=3), cfg)
+    gen = generate(tiny, PROMPT, build_strategy(tiny_calibration, name, gamma=3), cfg)
     return gen, record(tiny, PROMPT, name, cfg, gen.start, gen.steps, gen.stats.wall_s, created="now")
 
 

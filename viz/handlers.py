@@ -15,11 +15,11 @@ from ssd_core.engine.decode import DecodeConfig, Start, decode, encode_for
 from ssd_core.engine.generate import generate as core_generate
 from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
-from ssd_core.tools.stats import first_difference
+from ssd_core.tools.metrics import first_difference
 from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.session import (Run, Session, acceptance_star, banner, cost_view, domains_views, get_session, layer_fig,
+from viz.session import (Run, Session, acceptance_star, cost_view, domains_views, get_session, layer_fig,
                          map_fig, route_view, stats_view, tokens_view, trace_download, vocab, NO_TRACE)
 from viz.studio import (DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, Update, clean_prompt, make_config,
                         make_strategy, problem, public_message, safe_k)

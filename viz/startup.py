@@ -89,11 +89,11 @@ def run_calibration(studio: Studio, progress) -> dict:
 
     An admin action: app.py registers it as an event only on a private server with no calibration
     (loopback, not a Space); on a public server calibration is the command line's job."""
-    from ssd_core.calibration.build import calibrate     # lazy: the search stack is not needed to serve
+    from ssd_core.calibration.build import CalibrationSettings, calibrate   # lazy: not needed to serve
     progress(0, desc="calibrating (latency profile, skip-set search, router, UMAP)")
     try:
-        cal = calibrate(studio.spec, studio.cal_folder, backbone=studio.backbone, progress=True,
-                        **QUICK_CALIBRATION)
+        cal = calibrate(studio.spec, studio.cal_folder, CalibrationSettings(**QUICK_CALIBRATION),
+                        backbone=studio.backbone, progress=True)
     except Exception as exc:
         return dict(banner=Update(value=banner(f"Calibration failed: {exc}"), visible=True),
                     cal_btn=Update(visible=True))

@@ -15,14 +15,12 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 import json
 import logging
 import threading
-import time
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ssd_core import calibration as cal_io
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.policies import registry
 from ssd_core.policies.ar import Autoregressive
@@ -200,7 +198,7 @@ def make_strategy(studio: Studio, name: str, gamma: int, k: int, domain: str | N
     cal = studio.calibration
     if cal is None or name == "ar":
         return Autoregressive()
-    return cal.strategy(name, gamma=int(gamma), k=int(k), domain=domain or None, draft=draft)
+    return registry.build(cal, name, gamma=int(gamma), k=int(k), domain=domain or None, draft=draft)
 
 
 def clean_prompt(prompt) -> str:

@@ -1,8 +1,8 @@
 """Calibration: everything measured offline for a model, and the artefacts that hold it.
 
 The latency model (latency), teacher-forced matchness (matchness), the skip-set search (candidates,
-search, search_memo), the KNN router (router), the domains and their map (domains, domain_map), the
-cheap drafts' calibration (draft_calibration), the artefact format (artifact) and the CLI that builds
+search, search_memo), the KNN router (router), the domains and their UMAP (domains, umap_map), the
+cheap drafts' calibration (draft_calibration), the artefact format (artifact, files) and the CLI that builds
 it all (build: `python -m ssd_core.calibrate`).
 
 The artefact API is available here (`cal_io.load(...)` after `from ssd_core import calibration as

@@ -9,27 +9,25 @@ assets/calibration/<slug>/
     umap.joblib        the fitted UMAP (unpickled only after its sha256 matches calibration.json)
     search_history.json  every search trial (informational; written by calibrate)
 
-Every file is written atomically: to a hidden temporary in the same folder, flushed and fsynced,
-then `os.replace`d into place (see `staged_writes`). A calibration interrupted while it writes leaves
-the previous artefacts as they were and no half-written file under an artefact's name.
+Every file is written atomically (files.py: `staged_writes`).
 """
 from __future__ import annotations
 
 import json
-import os
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
 from ..engine.backbone import EMBEDDINGS, LEGACY_EMBEDDING
+from ..engine.loading import model_slug
 from ..engine.skipset import SkipSet
-from .domain_map import _sha256 as sha256_file  # one checksum function for every artefact
 from .domains import DOMAIN_DIR, domains_hash
+from .files import (TMP_MARK, StagedWrites, atomic_write, remove_stale_temporaries,  # noqa: F401 (the package's API)
+                    sha256_file, staged_writes)
 from .latency import LatencyModel
+from .router import Router
+from .umap_map import DomainMap
 
 FORMAT_VERSION = 1
 CALIBRATION_ROOT = Path(__file__).resolve().parents[2] / "assets" / "calibration"
@@ -50,7 +48,7 @@ class Calibration:
     routing: dict = field(default_factory=dict)
     knapspec: dict = field(default_factory=dict)
     folder: Path | None = None
-    domain_map: object | None = None       # calibration.domain_map.DomainMap (loaded lazily)
+    domain_map: object | None = None       # calibration.umap_map.DomainMap (loaded lazily)
     # the cheap drafts (draft_calibration.py): {"head": {ids, size, coverage…}, "acceptance": {kind: {set: α}}}
     drafts: dict = field(default_factory=dict)
     # MLP channel rankings of sets that keep part of each MLP ({name: (layers, channels) ids}; channels.py)
@@ -72,16 +70,6 @@ class Calibration:
         out["static"] = float(np.mean(list(m.values()))) if m else 0.5
         return out
 
-    def strategy(self, name: str, **settings):
-        """A fresh Strategy object (one per request: strategies hold per-request state).
-
-        settings: gamma, k, vote, threshold, domain, category, inner, every, draft, adaptive
-        (see policies.registry.build).
-        """
-        from ..policies.registry import build   # the policies import this package
-
-        return build(self, name, **settings)
-
     @property
     def embedding(self) -> str:
         """The prompt embedding the router's anchors were made with (engine.backbone.EMBEDDINGS);
@@ -90,138 +78,9 @@ class Calibration:
 
     def load_domain_map(self):
         """The fitted UMAP, checksum-verified (raises DomainMapError on any mismatch)."""
-        from .domain_map import DomainMap
         if self.domain_map is None:
             self.domain_map = DomainMap.load(self.folder, self.meta["files"]["umap.joblib"])
         return self.domain_map
-
-
-# --- atomic writes -----------------------------------------------------------------------------
-TMP_MARK = ".tmp-"            # temporaries are named ".<name>.tmp-<pid>-<hex>": hidden, never an artefact
-
-
-class StagedWrites:
-    """Files written to temporaries in one folder, put in place together by `commit`.
-
-    `open(name)` gives a file object on a fresh temporary (np.savez, joblib.dump and json.dump all
-    take file objects, so no writer appends its own suffix to the name); `path(name)` is where that
-    temporary lies (e.g. to checksum it before it is committed). `commit` fsyncs and `os.replace`s
-    them in the order they were opened; `discard` removes them.
-    """
-
-    def __init__(self, folder: Path | str):
-        self.folder = Path(folder)
-        self._tmp: dict[str, Path] = {}
-
-    def path(self, name: str) -> Path:
-        return self._tmp[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._tmp
-
-    @contextmanager
-    def open(self, name: str, mode: str = "wb", encoding: str | None = None):
-        if name in self._tmp:
-            raise ValueError(f"{name} is already staged")
-        if "w" not in mode:
-            raise ValueError(f"staged files are written, not opened with mode {mode!r}")
-        tmp = self.folder / f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._tmp[name] = tmp
-        with open(tmp, mode.replace("w", "x"), encoding=encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-
-    def commit(self) -> None:
-        for name, tmp in list(self._tmp.items()):
-            os.replace(tmp, self.folder / name)
-            del self._tmp[name]
-        _fsync_dir(self.folder)
-
-    def discard(self) -> None:
-        for tmp in self._tmp.values():
-            try:
-                tmp.unlink()
-            except FileNotFoundError:
-                pass
-        self._tmp.clear()
-
-
-@contextmanager
-def staged_writes(folder: Path | str) -> Iterator[StagedWrites]:
-    """Stage several files; on a clean exit replace them all (in order), on any error remove them.
-
-        with staged_writes(folder) as stage:
-            with stage.open("router.npz") as f:
-                np.savez(f, **arrays)
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(folder)
-    stage = StagedWrites(folder)
-    try:
-        yield stage
-    except BaseException:            # KeyboardInterrupt too: never leave a temporary behind
-        stage.discard()
-        raise
-    try:
-        stage.commit()
-    except BaseException:
-        stage.discard()
-        raise
-
-
-@contextmanager
-def atomic_write(path: Path | str, mode: str = "wb", encoding: str | None = None):
-    """Write one file atomically: `with atomic_write(p, "w", encoding="utf-8") as f: f.write(...)`."""
-    path = Path(path)
-    with staged_writes(path.parent) as stage:
-        with stage.open(path.name, mode, encoding) as f:
-            yield f
-
-
-def remove_stale_temporaries(folder: Path | str) -> list[Path]:
-    """Delete temporaries left by writers that were killed (their process is gone); return them.
-
-    A temporary of a live process (e.g. another calibration writing here now) is left alone.
-    """
-    removed = []
-    for tmp in Path(folder).glob(f".*{TMP_MARK}*"):
-        pid = tmp.name.rsplit(TMP_MARK, 1)[-1].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        try:
-            tmp.unlink()
-            removed.append(tmp)
-        except OSError:
-            pass
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid() or os.name == "nt":   # Windows' os.kill(pid, 0) would end the process
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True                      # exists but not ours, or we cannot tell: keep its file
-    return True
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames durable where the OS allows it (best effort; not on Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- save / load ---------------------------------------------------------------------------------
@@ -279,8 +138,6 @@ def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict
 
 def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMAIN_DIR) -> Calibration:
     """Load and check a calibration; every failure is a CalibrationError that says what to do."""
-    from .router import Router
-
     folder = Path(folder)
     path = folder / "calibration.json"
     if not path.exists():
@@ -324,9 +181,9 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
         if missing:
             raise ValueError(f"sets keep MLP channels by rankings {missing} that channels.npz lacks")
         if backbone is not None:               # the small draft head belongs to this model's calibration
-            backbone.set_draft_head(cal.drafts.get("head", {}).get("ids"))
+            backbone.drafts.set_head(cal.drafts.get("head", {}).get("ids"))
             backbone.set_embedding(cal.embedding)    # prompts are embedded as the anchors were
-            backbone.set_channel_ranks(ranks, means)
+            backbone.drafts.install_channels(ranks, means)
         return cal
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise CalibrationError(f"calibration at {folder} is incomplete or corrupt: {exc}") from exc
@@ -353,5 +210,4 @@ def _check_model(meta: dict, backbone) -> None:
 
 
 def default_folder(spec: str | None) -> Path:
-    from ..engine.loading import model_slug
     return CALIBRATION_ROOT / model_slug(spec)

@@ -1,8 +1,7 @@
 """The search space: which sublayers may be skipped, and the candidate sets a search starts from.
 
 The first and last layers are never skipped: they map tokens into and out of the residual stream and
-skipping them wrecks every draft. A set is encoded for optuna as one boolean per sublayer ("speed"
-mode) or one score per sublayer whose top `count` are skipped ("matchness" mode, fixed size).
+skipping them wrecks every draft. A set is encoded for optuna (speed mode) as one boolean per sublayer.
 """
 from __future__ import annotations
 
@@ -87,46 +86,14 @@ def ratio_count(n_layers: int, ratio: float) -> int:
     return min(max(1, round(ratio * 2 * n_layers)), 2 * len(searchable_layers(n_layers)))
 
 
-def fixed_size_candidates(n_layers: int, count: int, n_random: int, seed: int = 0) -> list[SkipSet]:
-    """Starting sets of exactly `count` sublayers: three shaped ones, then uniform random draws."""
-    slots = searchable_slots(n_layers)
-    inner = list(searchable_layers(n_layers))
-    mid = _middle(n_layers)
-    shapes = [None,  # initial_with's order: middle attentions first
-              [("attn", i) for i in inner[::-1]] + [("mlp", i) for i in inner[::-1]],   # upper first
-              [(k, i) for i in mid for k in ("mlp", "attn")] + slots]                   # middle blocks
-    out = [initial_with(n_layers, count)]
-    for order in shapes[1:]:
-        chosen = list(dict.fromkeys(order))[:count]
-        out.append(from_slots(chosen))
-    rng = random.Random(seed)
-    for _ in range(n_random):
-        chosen = rng.sample(slots, count)
-        out.append(from_slots(chosen))
-    return out
-
-
-def trial_params(skip: SkipSet, n_layers: int, count: int | None = None) -> dict:
+def trial_params(skip: SkipSet, n_layers: int) -> dict[str, bool]:
     """A set as optuna trial parameters (to enqueue it as a trial)."""
-    if count is not None:     # fixed size: a score per sublayer, the skipped ones score 1
-        return {f"{kind}_{i}": float(i in getattr(skip, kind))
-                for i in searchable_layers(n_layers) for kind in ("attn", "mlp")}
-    return _bool_params(skip, n_layers)
-
-
-def _bool_params(skip: SkipSet, n_layers: int) -> dict[str, bool]:
     return {f"{kind}_{i}": i in getattr(skip, kind)
             for i in searchable_layers(n_layers) for kind in ("attn", "mlp")}
 
 
-def suggest_set(trial, n_layers: int, name: str, count: int | None = None) -> SkipSet:
-    """The set an optuna trial proposes."""
-    if count is not None:     # fixed size: skip the `count` best-scored sublayers (ties: layer order)
-        scores = [(trial.suggest_float(f"{kind}_{i}", 0.0, 1.0), kind, i)
-                  for i in searchable_layers(n_layers) for kind in ("attn", "mlp")]
-        top = sorted(range(len(scores)), key=lambda j: (-scores[j][0], j))[:count]
-        chosen = [scores[j][1:] for j in top]
-        return from_slots(chosen, name)
+def suggest_set(trial, n_layers: int, name: str) -> SkipSet:
+    """The set an optuna trial proposes (speed mode)."""
     chosen = {"attn": set(), "mlp": set()}
     for i in searchable_layers(n_layers):
         for kind in ("attn", "mlp"):

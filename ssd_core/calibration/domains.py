@@ -1,6 +1,7 @@
 """The seven domains, their prompt files and a deterministic calibration / held-out split."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -64,8 +65,6 @@ def held_out_questions(per_domain: int, skip: int = 0, domain_dir: Path | str = 
 
 def main(argv=None) -> None:
     """python -m ssd_core.calibration.domains --held-out-questions N [--skip K] --out FILE"""
-    import argparse
-
     ap = argparse.ArgumentParser(description="Write held-out domain prompts as a bench question file.")
     ap.add_argument("--held-out-questions", type=int, required=True, help="questions per domain")
     ap.add_argument("--skip", type=int, default=0, help="held-out prompts to pass over per domain")

@@ -14,12 +14,14 @@ from __future__ import annotations
 import statistics
 
 import torch
+from tqdm.auto import tqdm
 
 from ..engine.decode import DecodeConfig
 from ..engine.draft import DRAFT_KINDS, frequent_tokens
 from ..engine.generate import generate
 from ..engine.skipset import SkipSet
 from ..policies.static import Static
+from .domains import split
 from .matchness import build_match_data, matchness
 
 HEAD_SIZES = (2048, 4096, 8192, 16384, 32768)
@@ -36,8 +38,6 @@ def _continuation(bb, text: str, tokens: int, max_prompt_tokens: int) -> tuple[t
 def choose_head(bb, calibration_prompts: list[str], held_out_prompts: list[str], tokens: int = 32,
                 coverage: float = 0.99, max_prompt_tokens: int = 256, progress: bool = True) -> dict:
     """The small draft head: token ids, size and the held-out coverage of every candidate size."""
-    from tqdm.auto import tqdm
-
     counts = torch.zeros(bb.vocab, dtype=torch.float64)
     bar = tqdm(total=len(calibration_prompts) + len(held_out_prompts), desc="draft head",
                disable=not progress)
@@ -77,7 +77,7 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
     """
     out: dict[str, dict[str, float]] = {}
     for kind in kinds:
-        draft = bb.draft_weights(kind)
+        draft = bb.drafts.get(kind)
         per = {}
         for name, skip in [*sets.items(), (FULL, SkipSet.empty())]:
             domains = [name] if name in data else list(data)
@@ -89,22 +89,18 @@ def draft_acceptance(bb, sets: dict[str, SkipSet], data: dict, kinds=DRAFT_KINDS
 
 
 def held_out_data(bb, prompts: dict[str, list[str]], per_domain: int = 2, continuation_tokens: int = 24,
-                  max_prompt_tokens: int = 256, window: int | None = None) -> dict:
+                  max_prompt_tokens: int = 256) -> dict:
     """Teacher-forcing data on the first held-out prompts of every domain (domains.split)."""
-    from .domains import split
-
     return {d: build_match_data(bb, split(p)[1][:per_domain], continuation_tokens, max_prompt_tokens,
-                                progress=False, window=window) for d, p in prompts.items()}
+                                progress=False) for d, p in prompts.items()}
 
 
 def head_for_domains(bb, prompts: dict[str, list[str]], per_domain: int = 4, held_out_per_domain: int = 2,
                      max_prompt_tokens: int = 256, progress: bool = True) -> dict:
     """choose_head on the calibration / held-out split of the domain prompts; installs it on `bb`."""
-    from .domains import split
-
     parts = {d: split(p) for d, p in prompts.items()}
     head = choose_head(bb, [p for c, _ in parts.values() for p in c[:per_domain]],
                        [p for _, h in parts.values() for p in h[:held_out_per_domain]],
                        max_prompt_tokens=max_prompt_tokens, progress=progress)
-    bb.set_draft_head(head["ids"])
+    bb.drafts.set_head(head["ids"])
     return head

@@ -1,4 +1,4 @@
-"""Greedy construction of a fixed-size skip set (search method "greedy", matchness mode).
+"""Greedy construction of a fixed-size skip set (matchness mode, KNN-SSD's fixed-size sets).
 
 TPE over one score per sublayer explores a space of C(56, 12) ≈ 5·10^11 sets with a few dozen
 trials; most of them land far from anything good. The greedy method reads the search data first:

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from ..engine.backbone import EMPTY, Backbone
 from ..engine.device import device_label
@@ -242,8 +243,6 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     drafts: draft kinds (draft.py) whose costs are measured too, each on its own weights (with the
     backbone's small draft head, if one is installed).
     """
-    from tqdm.auto import tqdm
-
     contexts = [c for c in contexts if c + max(verify_ks) + 2 <= bb.max_positions]
     cache = bb.new_cache(max(contexts) + max(verify_ks) + 2)
     per_kind = 4 * len(contexts) + 1
@@ -253,7 +252,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     full = _sublayer_costs(bb, cache, contexts, repeats, bar)
     kinds = {}
     for kind in drafts:
-        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.draft_weights(kind))
+        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.drafts.get(kind))
         costs.pop("points")
         kinds[kind] = costs
     ref = contexts[min(1, len(contexts) - 1)]

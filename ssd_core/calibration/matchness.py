@@ -4,16 +4,10 @@ Matchness is the teacher-forced top-1 agreement between the draft (the model wit
 skipped) and the full model on the full model's own greedy continuation of calibration prompts. It
 stands in for the acceptance rate α. Per candidate and sequence it costs one parallel draft pass over
 the continuation only: the prompt's keys / values come from the full model, once, as they do in real
-self-speculative decoding.
-
-What the draft attends to over the continuation depends on the data's `window`:
-- None (SWIFT's measure): its own keys / values for every continuation token, so at the 30th token
-  it reads 29 positions its own skipped layers computed, an error that compounds;
-- w (`calibrate --matchness-window`): as in decoding with drafts of w tokens. After every step the
-  verifier rewrites the cache with the full model's keys / values, so the k-th drafted token reads
-  the full model's for the verified context and its own for only the k positions of its draft. The
-  continuation is cut into blocks of w and each position reads exactly that (Backbone.forward's
-  `window`); the full model's continuation keys / values are kept in the data for it.
+self-speculative decoding. Over the continuation the draft reads its own keys / values (SWIFT's
+measure). Scoring as decoding with w-token drafts sees it (the full model's keys / values for the
+verified text, the draft's own only within its draft) was tried and kept fewer domain sets without
+widening τ(knn)/τ(static) (1.02 against 1.07, README history), so it is not offered.
 """
 from __future__ import annotations
 
@@ -22,6 +16,7 @@ from itertools import zip_longest
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
@@ -42,20 +37,12 @@ class MatchData:
     # the full model's keys / values for positions 0 .. starts[i]-2 of each sequence, (L, kv, P, hd);
     # empty → recomputed on every call (same numbers, slower)
     prefix_kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-    window: int | None = None                # None: the draft reads its own KV all along (see above)
-    # window only: the full model's keys / values for positions starts[i]-1 .. end-1, (L, kv, T, hd);
-    # empty → recomputed on every call
-    continuation_kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     def __post_init__(self):
         if not len(self.sequences) == len(self.starts) == len(self.targets):
             raise ValueError("MatchData: sequences, starts and targets must have the same length")
         if self.prefix_kv and len(self.prefix_kv) != len(self.sequences):
             raise ValueError("MatchData: prefix_kv must hold one (keys, values) pair per sequence")
-        if self.continuation_kv and (self.window is None or len(self.continuation_kv) != len(self.sequences)):
-            raise ValueError("MatchData: continuation_kv needs a window and one (keys, values) pair per sequence")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"MatchData: window must be at least 1, got {self.window}")
         for seq, s, t in zip(self.sequences, self.starts, self.targets):
             if not 1 <= s < len(seq) or len(t) != len(seq) - s:
                 raise ValueError("MatchData: each sequence needs a prompt, a continuation and "
@@ -70,14 +57,12 @@ class MatchData:
         return sum(int((t >= 0).sum()) for t in self.targets)
 
     def rows(self) -> list[tuple]:
-        """(sequence, start, targets, prefix_kv or None, continuation_kv or None) per sequence."""
-        kv = self.prefix_kv or (None,) * len(self)
-        return list(zip(self.sequences, self.starts, self.targets, kv, self.continuation_kv or (None,) * len(self)))
+        """(sequence, start, targets, prefix_kv or None) per sequence."""
+        return list(zip(self.sequences, self.starts, self.targets, self.prefix_kv or (None,) * len(self)))
 
     def with_targets(self, targets) -> "MatchData":
         """The same data scored against other targets (e.g. -1 where a position is not scored)."""
-        return MatchData(self.sequences, self.starts, tuple(targets), self.prefix_kv, self.window,
-                         self.continuation_kv)
+        return MatchData(self.sequences, self.starts, tuple(targets), self.prefix_kv)
 
 
 def _prefix_kv(backbone: Backbone, seq, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,22 +83,11 @@ def _primed_cache(backbone: Backbone, seq, start: int, kv):
     return cache
 
 
-def _continuation_kv(backbone: Backbone, seq, start: int, kv) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full model's KV for positions start-1 .. len-2 (what the verifier leaves in the cache)."""
-    n = start - 1
-    cache = _primed_cache(backbone, seq, start, kv)
-    backbone.forward(seq[n:-1], cache, SkipSet.empty(), logits="none")
-    return cache.k[:, :, n:].clone(), cache.v[:, :, n:].clone()
-
-
-def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, draft=None,
-                  window: int | None = None, continuation_kv=None) -> torch.Tensor:
+def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, draft=None) -> torch.Tensor:
     """The draft's argmax for each continuation token seq[start:], in one parallel pass.
 
     As in real self-speculation the draft attends to the full model's KV of the context (the
-    prompt, from `kv`) and to its own KV for the tokens it runs itself: all of the continuation
-    (window None) or the block of `window` tokens it drafts in one step, the full model's before
-    that (`continuation_kv`). It runs positions start-1 .. len-2, whose hidden states predict positions
+    prompt, from `kv`) and to its own KV for the tokens it runs itself. It runs positions start-1 .. len-2, whose hidden states predict positions
     start .. len-1 (the last token is never fed). Running the draft over the continuation only, not
     the whole prompt, makes a candidate several times cheaper; and only those rows need the (large)
     lm_head.
@@ -121,27 +95,19 @@ def _draft_argmax(backbone: Backbone, seq, start: int, skip: SkipSet, kv=None, d
     kv = kv if kv is not None else _prefix_kv(backbone, seq, start)
     n = start - 1
     cache = _primed_cache(backbone, seq, start, kv)
-    if window is not None:
-        cache.k[:, :, n:], cache.v[:, :, n:] = (continuation_kv if continuation_kv is not None
-                                                else _continuation_kv(backbone, seq, start, kv))
-    hidden = backbone.forward(seq[n:-1], cache, skip, logits="none", draft=draft, window=window)
+    hidden = backbone.forward(seq[n:-1], cache, skip, logits="none", draft=draft)
     with torch.inference_mode():
         logits = F.linear(hidden, backbone.lm_head) if draft is None else draft.head(hidden)
         return logits.argmax(-1)
 
 
 def build_match_data(backbone: Backbone, prompts: list[str], continuation_tokens: int = 24,
-                     max_prompt_tokens: int = 256, progress: bool = True, window: int | None = None) -> MatchData:
-    """Greedy-continue each prompt with the full model and record its teacher-forced targets.
-
-    window: score drafts as decoding with drafts of that many tokens sees them (module docstring).
-    """
-    from tqdm.auto import tqdm
-
+                     max_prompt_tokens: int = 256, progress: bool = True) -> MatchData:
+    """Greedy-continue each prompt with the full model and record its teacher-forced targets."""
     if not prompts:
         raise ValueError("build_match_data needs at least one prompt")
     config = DecodeConfig(max_new_tokens=continuation_tokens)
-    sequences, starts, targets, kvs, conts = [], [], [], [], []
+    sequences, starts, targets, kvs = [], [], [], []
     for text in tqdm(prompts, desc="match data", disable=not progress):
         prompt = backbone.encode(text, max_tokens=max_prompt_tokens)
         cont = generate(backbone, prompt, Autoregressive(), config).token_ids
@@ -150,13 +116,10 @@ def build_match_data(backbone: Backbone, prompts: list[str], continuation_tokens
         sequences.append(seq)
         starts.append(len(prompt))
         kvs.append(kv)
-        if window is not None:
-            conts.append(_continuation_kv(backbone, seq, len(prompt), kv))
         # targets from the very computation the drafts use, so that the empty skip set scores
         # exactly 1.0 (incremental and parallel fp32 passes can differ on near-ties)
-        targets.append(_draft_argmax(backbone, seq, len(prompt), SkipSet.empty(), kv, None, window,
-                                     conts[-1] if conts else None))
-    return MatchData(tuple(sequences), tuple(starts), tuple(targets), tuple(kvs), window, tuple(conts))
+        targets.append(_draft_argmax(backbone, seq, len(prompt), SkipSet.empty(), kv))
+    return MatchData(tuple(sequences), tuple(starts), tuple(targets), tuple(kvs))
 
 
 def model_drafted_only(data: MatchData) -> MatchData:
@@ -183,25 +146,21 @@ def model_drafted_only(data: MatchData) -> MatchData:
 
 def merge(datas, limit: int | None = None) -> MatchData:
     """Concatenate MatchData, interleaved round-robin so that a `limit` keeps the mix balanced."""
-    windows = {d.window for d in datas}
-    if len(windows) > 1:
-        raise ValueError(f"merge: the parts are scored with different windows {sorted(windows, key=str)}")
     rows = [row for group in zip_longest(*[d.rows() for d in datas]) for row in group if row is not None]
     if limit is not None:
         rows = rows[:max(1, int(limit))]
     if not rows:
         raise ValueError("merge: no sequences to merge")
-    seqs, starts, targets, kvs, conts = zip(*rows)
+    seqs, starts, targets, kvs = zip(*rows)
     # caches are kept only if every part had them (MatchData holds all or none)
     kvs = () if any(kv is None for kv in kvs) else tuple(kvs)
-    conts = () if any(c is None for c in conts) else tuple(conts)
-    return MatchData(tuple(seqs), tuple(starts), tuple(targets), kvs, next(iter(windows)), conts)
+    return MatchData(tuple(seqs), tuple(starts), tuple(targets), kvs)
 
 
 def _matches(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> int:
-    draft = backbone.draft_for(draft, skip)
-    return sum(int((_draft_argmax(backbone, seq, s, skip, kv, draft, data.window, cont) == t).sum())
-               for seq, s, t, kv, cont in data.rows())
+    draft = backbone.drafts.for_set(draft, skip)
+    return sum(int((_draft_argmax(backbone, seq, s, skip, kv, draft) == t).sum())
+               for seq, s, t, kv in data.rows())
 
 
 def matchness(backbone: Backbone, skip: SkipSet, data: MatchData, draft=None) -> float:

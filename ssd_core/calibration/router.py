@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import faiss
 import numpy as np
 
 from ..engine.skipset import SkipSet
+from ..engine.strategy import Neighbour, Route
 
 VOTES = ("majority", "weighted")
 KINDS = ("prompt", "centroid")
@@ -25,51 +25,6 @@ POINTS_PER_CENTROID = 3     # below this a centroid is little more than a copy o
 KMEANS_ITERATIONS = 20
 THRESHOLD_PERCENTILE = 2.0  # suggest_threshold: share (in %) of held-out prompts allowed below it
 THRESHOLD_MARGIN = 0.02
-
-
-@dataclass(frozen=True)
-class Neighbour:
-    """One of the K nearest anchors of a query."""
-
-    text: str          # prompt text of the anchor ("" for a centroid)
-    domain: str
-    similarity: float  # cosine similarity to the query
-    kind: str          # "prompt" or "centroid"
-    index: int         # row in the anchor table
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "domain": self.domain, "similarity": self.similarity,
-                "kind": self.kind, "index": self.index}
-
-
-@dataclass(frozen=True)
-class Route:
-    """The router's answer for one prompt, with everything the UI needs to explain it."""
-
-    domain: str | None                  # None = unknown domain (below threshold) → fallback set
-    votes: dict[str, float]             # domain → vote weight among the K nearest anchors
-    neighbours: tuple[Neighbour, ...]   # the K nearest anchors, best first
-    similarity: float                   # similarity of the nearest anchor
-    skip: SkipSet                       # the chosen set (domain's set or the fallback)
-    unknown: bool
-    vote: str = "weighted"
-    threshold: float = 0.5
-
-    def describe(self) -> str:
-        if self.unknown:
-            return (f"unknown domain (best similarity {self.similarity:.2f} < {self.threshold:.2f})"
-                    f" → {self.skip.name or 'static'} set")
-        agree = sum(n.domain == self.domain for n in self.neighbours)
-        weight = "" if self.vote == "majority" else f", weight {self.votes[self.domain]:.2f}"
-        return (f"routed to {self.domain} ({agree}/{len(self.neighbours)} votes{weight}, "
-                f"similarity {self.similarity:.2f})")
-
-    def to_dict(self) -> dict:
-        return {"domain": self.domain, "votes": dict(self.votes),
-                "neighbours": [n.to_dict() for n in self.neighbours],
-                "similarity": self.similarity, "skip": self.skip.to_dict(),
-                "unknown": self.unknown, "vote": self.vote, "threshold": self.threshold,
-                "description": self.describe()}
 
 
 def _normalise(vectors: np.ndarray) -> np.ndarray:

@@ -8,20 +8,22 @@ Two search modes, side by side (`SEARCH_MODES`):
 - "speed": maximise that predicted speedup over sets of any size above a floor (random sampling,
   then TPE - optuna's Bayesian optimiser - over one boolean per sublayer);
 - "matchness": KNN-SSD's own recipe: every set skips exactly `skip_ratio` of the sublayers and the
-  search maximises matchness (TPE over one score per sublayer; the top-k scores are skipped).
-In "matchness" mode the search method is "tpe" (as above) or "greedy" (calibration.greedy: score each
-sublayer alone, build the set step by step, then swap). In both modes, the first and last layers are
-never skipped (calibration.candidates). Matchness values are
+  search maximises matchness, greedily (calibration.greedy: score each sublayer alone, build the set
+  step by step, then swap). TPE over one score per sublayer was tried there too and matched worse
+  on every held-out domain (README history), so matchness mode has only the greedy method.
+In both modes, the first and last layers are never skipped (calibration.candidates). Matchness values are
 memoised by set and can be passed in (`known`), so an interrupted calibration resumes where it stopped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from ..engine.backbone import Backbone
 from ..engine.skipset import SkipSet
-from .candidates import (check_initial, default_initial, fixed_size_candidates, initial_with, random_candidates,
-                         ratio_count, searchable_slots, structured_candidates, suggest_set, trial_params)
+from .candidates import (check_initial, default_initial, initial_with, random_candidates, ratio_count,
+                         searchable_slots, structured_candidates, suggest_set, trial_params)
 from .greedy import SHORTLIST, greedy_set
 from .latency import LatencyModel
 from .matchness import MatchData, matchness, merge
@@ -30,12 +32,6 @@ STATIC = "static"
 SEARCH_MODES = ("speed", "matchness")
 # calibrate's modes: these two, and "channels" (no search: per-domain MLP channel rankings, channels.py)
 CALIBRATION_MODES = (*SEARCH_MODES, "channels")
-SEARCH_METHODS = ("tpe", "greedy")
-
-
-def default_method(mode: str) -> str:
-    """greedy for fixed-size sets (it beat TPE on every held-out domain, see the README), else TPE."""
-    return "greedy" if mode == "matchness" else "tpe"
 
 
 # --- the search ----------------------------------------------------------------------------------------
@@ -101,7 +97,7 @@ class _Scorer:
 
 
 def _make_study(seed: int, n_startup: int):
-    import optuna
+    import optuna     # lazy: ~1 s to import, and only a speed-mode search needs it
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(1, n_startup))
@@ -123,7 +119,7 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
                     initial: SkipSet | None = None, n_random: int | None = None,
                     progress: bool = True, min_skipped: int = 1, draft=None,
                     mode: str = "speed", skip_ratio: float = 0.25,
-                    known: dict | None = None, on_new=None, method: str = "tpe") -> SearchResult:
+                    known: dict | None = None, on_new=None) -> SearchResult:
     """Find the skip set maximising the mode's objective on `data`.
 
     mode "speed": predicted speedup (latency model, at the best draft length ≤ gamma) over sets of
@@ -131,14 +127,12 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
     ratio_count(L, skip_ratio) sublayers (KNN-SSD). draft: the draft.DraftWeights the sets will draft
     with; None → the fp32 weights. known / on_new: a matchness memo to resume from (see _Scorer).
 
-    Trials: the initial set, shaped candidates, `n_random` random sets (default budget // 3), then
-    TPE. budget: distinct candidates scored (each costs one matchness pass unless memoised); TPE
-    re-proposes sets it likes, and those free repeats do not count (at most 4 × budget trials).
-    method "greedy" (matchness mode only): calibration.greedy.greedy_set instead of the trials
-    above; its construction always completes, the budget caps only its swaps.
+    Speed mode's trials: the initial set, shaped candidates, `n_random` random sets (default
+    budget // 3), then TPE. budget: distinct candidates scored (each costs one matchness pass unless
+    memoised); TPE re-proposes sets it likes, and those free repeats do not count (at most 4 × budget
+    trials). Matchness mode: calibration.greedy.greedy_set; its construction always completes, the
+    budget caps only its swaps.
     """
-    from tqdm.auto import tqdm
-
     L = backbone.n_layers
     if mode not in SEARCH_MODES:
         raise ValueError(f"unknown search mode {mode!r}; choose from {', '.join(SEARCH_MODES)}")
@@ -146,41 +140,32 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
         raise ValueError(f"latency model is for {latency.n_layers} layers, the backbone has {L}")
     if budget < 1:
         raise ValueError("budget must be ≥ 1 candidate")
-    if method not in SEARCH_METHODS:
-        raise ValueError(f"unknown search method {method!r}; choose from {', '.join(SEARCH_METHODS)}")
-    if method == "greedy" and mode != "matchness":
-        raise ValueError("the greedy method builds sets of one fixed size: use it with mode 'matchness'")
-    n_random = n_random if n_random is not None else max(1, budget // 3)
-    count = None
+    kind = draft.kind if draft is not None else "fp32"
     if mode == "matchness":
         count = ratio_count(L, skip_ratio)
-        min_skipped = count
-        starts = fixed_size_candidates(L, count, n_random, seed)
-        initial = initial if initial is not None else starts[0]
-        if len(initial) != count:
-            raise ValueError(f"the initial set {initial} does not skip exactly {count} sublayers "
-                             f"(skip ratio {skip_ratio})")
-    else:
-        if initial is None:
-            initial = default_initial(L)
-            if len(initial) < min_skipped:
-                initial = initial_with(L, min_skipped)
-        starts = structured_candidates(L) + random_candidates(L, n_random, seed)
-    check_initial(initial, L, min_skipped)
-    scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped, draft,
-                     draft.kind if draft is not None else "fp32", mode, known, on_new)
-    if method == "greedy":
+        if initial is not None:
+            raise ValueError("matchness mode builds its sets greedily from single sublayers: it takes no "
+                             "initial set")
+        scorer = _Scorer(backbone, data, latency, gamma, context_len, count, draft, kind, mode, known, on_new)
         return _greedy(scorer, L, count, budget, name, progress)
+    n_random = n_random if n_random is not None else max(1, budget // 3)
+    if initial is None:
+        initial = default_initial(L)
+        if len(initial) < min_skipped:
+            initial = initial_with(L, min_skipped)
+    starts = structured_candidates(L) + random_candidates(L, n_random, seed)
+    check_initial(initial, L, min_skipped)
+    scorer = _Scorer(backbone, data, latency, gamma, context_len, min_skipped, draft, kind, mode, known, on_new)
     # the initial set goes first so the result can never be worse than it
     queue = _distinct([initial] + starts, budget, min_skipped)
     study = _make_study(seed, len(queue))
     for skip in queue:
-        study.enqueue_trial(trial_params(skip, L, count))
+        study.enqueue_trial(trial_params(skip, L))
     bar = tqdm(total=budget, desc=f"search {name}".rstrip(), disable=not progress)
 
     def objective(trial) -> float:
         before = scorer.evaluated
-        value = scorer(suggest_set(trial, L, name, count))
+        value = scorer(suggest_set(trial, L, name))
         bar.update(scorer.evaluated - before)
         bar.set_postfix(best=f"{_best(scorer.history)['objective']:.3f}")
         return value
@@ -197,8 +182,6 @@ def search_skip_set(backbone: Backbone, data: MatchData, latency: LatencyModel, 
 
 
 def _greedy(scorer: _Scorer, L: int, count: int, budget: int, name: str, progress: bool) -> SearchResult:
-    from tqdm.auto import tqdm
-
     least = len(searchable_slots(L)) + (count - 1) * SHORTLIST    # the construction's passes at most
     bar = tqdm(total=max(budget, least), desc=f"greedy {name}".rstrip(), disable=not progress)
 
@@ -239,8 +222,8 @@ def static_share(prompts_per_domain: int, n_domains: int, least: int = 4) -> int
 def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency: LatencyModel,
                budget: int = 120, gamma: int = 4, seed: int = 0, progress: bool = True,
                context_len: int = 256, static_per_domain: int | None = 4, min_skipped: int = 1,
-               draft=None, mode: str = "speed", skip_ratio: float = 0.25, memo=None,
-               method: str = "tpe") -> tuple[dict[str, SearchResult], SearchResult]:
+               draft=None, mode: str = "speed", skip_ratio: float = 0.25,
+               memo=None) -> tuple[dict[str, SearchResult], SearchResult]:
     """One set per domain, plus the global static ("Self-SD mix") set searched on all domains.
 
     static_per_domain: sequences each domain contributes to the static mix (None: all of them).
@@ -250,7 +233,7 @@ def search_all(backbone: Backbone, data_by_domain: dict[str, MatchData], latency
     if STATIC in data_by_domain:
         raise ValueError(f"{STATIC!r} is reserved for the global set; rename that domain")
     kw = dict(budget=budget, gamma=gamma, context_len=context_len, seed=seed, progress=progress,
-              min_skipped=min_skipped, draft=draft, mode=mode, skip_ratio=skip_ratio, method=method)
+              min_skipped=min_skipped, draft=draft, mode=mode, skip_ratio=skip_ratio)
     limit = None if static_per_domain is None else static_per_domain * len(data_by_domain)
     jobs = [*data_by_domain.items(), (STATIC, merge(list(data_by_domain.values()), limit))]
     out = {}

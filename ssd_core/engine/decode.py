@@ -9,20 +9,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from ..policies.base import Decision, Forecast, Strategy
 from .backbone import EMPTY, Backbone
-from .draft import DRAFT_KINDS
+from .draft import DEFAULT_DRAFT_KIND, DRAFT_KINDS
 from .lookup import PromptLookup
 from .prompt import PromptIds
 from .skipset import SkipSet
-
-if TYPE_CHECKING:
-    from ..calibration.router import Route
+from .strategy import Decision, Forecast, Route, Strategy
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class DecodeConfig:
     seed: int | None = 0
     stop_at_eos: bool = True
     max_prompt_tokens: int | None = None
-    draft: str = "int8"            # draft weights: "int8" (quantised copy) or "fp32" (see draft.py)
+    draft: str = DEFAULT_DRAFT_KIND  # draft weights: "int8" (quantised copy) or "fp32" (see draft.py)
     small_head: bool = True        # draft with the calibration's frequent-token head, when there is one
     lookup: bool = True            # try a prompt-lookup draft before running the model draft
 
@@ -167,7 +164,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     prefill_s = time.perf_counter() - t0
     plan = strategy.start(backbone, prompt, pre.embedding)
     # a set that keeps part of each MLP drafts with weights of its own: built (once) before the clock
-    draft = backbone.draft_weights(config.draft, config.small_head, plan.skip)
+    draft = backbone.drafts.get(config.draft, config.small_head, plan.skip)
     draft_key = plan.skip.channel_key if plan.skip is not None else None
     yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, prompt.truncated,
                 draft=draft.label if draft is not None else "fp32 draft", skip=plan.skip,
@@ -192,7 +189,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
         # a lookup draft costs nothing to make: propose as many as the config allows
         proposal = lookup.propose(min(config.gamma, room - 1)) if lookup is not None and gamma else ()
         if decision.skip is not None and decision.skip.channel_key != draft_key:
-            draft = backbone.draft_weights(config.draft, config.small_head, decision.skip)
+            draft = backbone.drafts.get(config.draft, config.small_head, decision.skip)
             draft_key = decision.skip.channel_key
         step = _step(backbone, cache, tokens[-1], decision, config, gen, gamma, proposal,
                      draft, index, t_start)

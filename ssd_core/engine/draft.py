@@ -25,7 +25,6 @@ and the acceptance rule stays exact because q is what the draft really sampled f
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 DRAFT_KINDS = ("int8", "fp32")
-DEFAULT_DRAFT = "int8"
+DEFAULT_DRAFT_KIND = "int8"       # the draft weights alone (the app adds prompt lookup on top)
 
 
 def _cpu_has_vnni() -> bool:
@@ -92,7 +91,7 @@ def _int8_rounded(w: torch.Tensor) -> torch.Tensor:
     return (codes.float() * scale.float()[:, None]).to(w.dtype).contiguous()
 
 
-def _pack_all(jobs: list[tuple], kernel: bool) -> list:
+def pack_int8(jobs: list[tuple], kernel: bool) -> list:
     """Pack (weight, bias) pairs; the CPU prepack runs in two threads (torch ops release the GIL)."""
     if not kernel:
         return [_int8_rounded(w) for w, _ in jobs]
@@ -100,10 +99,10 @@ def _pack_all(jobs: list[tuple], kernel: bool) -> list:
         return list(pool.map(lambda job: _int8_pack(*job), jobs))
 
 
-class _DraftLayer:
+class DraftLayer:
     """One decoder layer's draft weights: the same norms, int8 matmuls (CPU kernel: biases prepacked;
     elsewhere the int8-rounded weights dequantised, with the biases kept apart). bdown: the MLP's
-    output bias, which only a mean-compensated cut MLP has (mlp_weights)."""
+    output bias, which only a mean-compensated cut MLP has (drafts.mlp_weights)."""
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "bdown")
 
@@ -118,24 +117,6 @@ class _DraftLayer:
         """The (weight, bias) pairs to pack, in the order __init__ takes them."""
         return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None), (layer.wgu, None),
                 (layer.wdown, None)]
-
-
-def mlp_weights(layer, kept: torch.Tensor, mean: torch.Tensor | None = None):
-    """A layer's fused gate/up and down weights, cut to the `kept` MLP channels, and the down bias.
-
-    A channel j is row j of gate and of up and column j of down: one intermediate neuron. Leaving it
-    out removes its term silu(g_j)·u_j·down[:, j] from the MLP's output. mean: the layer's mean
-    activation per channel (calibration/channels.py: channel_means); given, the dropped channels'
-    terms are replaced by their mean, down[:, dropped] @ mean[dropped], a constant bias (None without).
-    """
-    n = layer.wgu.shape[0] // 2
-    bias = None
-    if mean is not None:
-        dropped = torch.ones(n, dtype=torch.bool, device=kept.device)
-        dropped[kept] = False
-        bias = (layer.wdown[:, dropped].double() @ mean[dropped].double()).to(layer.wdown.dtype)
-    return (torch.cat([layer.wgu[kept], layer.wgu[n + kept]]).contiguous(),
-            layer.wdown[:, kept].contiguous(), bias)
 
 
 @dataclass(frozen=True)
@@ -162,13 +143,13 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT, head_ids=None, int8_kernel: bool | None = None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None):
         """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
         False keeps dequantised int8-rounded weights instead (the path for CUDA)."""
         if kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         self.kind = kind
-        self.channels: tuple[str, float] | None = None     # (ranking, keep) of a cut draft (cut())
+        self.channels: tuple[str, float] | None = None     # (ranking, keep) of a cut draft (drafts.cut_draft)
         self.compensated = False            # a cut draft whose MLPs add the dropped channels' mean
         device = backbone.device
         self.kernel = device.type == "cpu" if int8_kernel is None else bool(int8_kernel)
@@ -183,9 +164,9 @@ class DraftWeights:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
         if kind == "int8":              # the head first: the largest matrix, so the two threads end together
-            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in _DraftLayer.jobs(layer, self.kernel)]
-            packed = _pack_all(jobs, self.kernel)
-            self.layers = [_DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i], self.kernel)
+            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in DraftLayer.jobs(layer, self.kernel)]
+            packed = pack_int8(jobs, self.kernel)
+            self.layers = [DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i], self.kernel)
                            for i, layer in enumerate(backbone.layers)]
             self.linear = _int8_linear if self.kernel else F.linear
             self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
@@ -193,30 +174,6 @@ class DraftWeights:
             self.layers = backbone.layers
             self.linear = F.linear
             self.head = DraftHead(head_w, ids, backbone.vocab, F.linear)
-
-    def cut(self, backbone, kept: list, name: tuple[str, float], means: torch.Tensor | None = None) -> "DraftWeights":
-        """This draft with every MLP cut to the `kept` channel ids of its layer (Backbone.kept_channels).
-
-        The head and the attention weights are this draft's own objects, shared; only the MLPs are
-        made anew (cut from the fp32 weights, then packed as this draft's kind packs). name: the
-        (ranking, keep) the label shows. means: (layers, channels) mean activations; given, each MLP
-        adds its dropped channels' mean output as a bias (mlp_weights), and the label says so.
-        """
-        if len(kept) != backbone.n_layers:
-            raise ValueError(f"kept: one id list per layer ({backbone.n_layers}), got {len(kept)}")
-        cuts = [mlp_weights(layer, k, None if means is None else means[i])
-                for i, (layer, k) in enumerate(zip(backbone.layers, kept))]
-        int8 = self.kind == "int8"
-        mlps = [(gu, down) for gu, down, _ in cuts]
-        if int8:
-            packed = _pack_all([job for gu, down, b in cuts for job in ((gu, None), (down, b))], self.kernel)
-            mlps = list(zip(packed[0::2], packed[1::2]))
-        out = copy.copy(self)
-        out.channels = name
-        out.compensated = means is not None
-        out.layers = [_DraftLayer(d, [d.wqkv, d.wo, *mlps[i]], self.kernel and int8, cuts[i][2])
-                      for i, d in enumerate(self.layers)]
-        return out
 
     @property
     def label(self) -> str:

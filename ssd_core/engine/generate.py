@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator
 
-from ..policies.base import Strategy
 from .backbone import Backbone
 from .decode import DecodeConfig, Start, Step, decode
+from .strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,6 @@ def generate(backbone: Backbone, prompt, strategy: Strategy | None = None,
              config: DecodeConfig = DecodeConfig(), **overrides) -> Generation:
     """Generate a whole answer; returns text, ids, every event and the stats."""
     if overrides:
-        from dataclasses import replace
         config = replace(config, **overrides)
     t0 = time.perf_counter()
     start, steps = None, []

@@ -4,22 +4,28 @@ A GGUF is dequantised once (numpy, seconds) and kept as plain safetensors in the
 restart reads that cache straight into a Backbone (`_load_cached`: safetensors + the fast tokenizer,
 without importing transformers' model classes) in about a second; transformers' model of the same
 weights, the reference for lossless checks, is built only when something asks for it.
+
+transformers, gguf and safetensors are imported inside the functions that need them, on purpose:
+importing transformers' model classes alone takes ~3 s, which a warm start-up does not pay.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from .backbone import Backbone, UnsupportedModelError, plain_llama_rope_theta
+from .backbone import Backbone
 from .device import resolve_device
+from .weights import UnsupportedModelError, plain_llama_rope_theta
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +165,6 @@ def _load_gguf(path: Path, dtype, name: str, device, max_positions: int) -> Back
             tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
             _save_plain(state, config, tok, tmp)
             if folder.exists():
-                import shutil
                 shutil.rmtree(folder)
             tmp.rename(folder)             # atomic: a reader sees the whole cache or none
         except (OSError, ValueError) as exc:
@@ -258,7 +263,6 @@ def read_gguf_llama(reader, dtype=torch.float32):
 
 def _save_plain(state: dict, config, tok, folder: Path) -> None:
     """Write a dequantised model as plain safetensors (save_pretrained refuses GGUF models)."""
-    import copy
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

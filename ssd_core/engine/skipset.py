@@ -3,7 +3,8 @@
 Skipping a sublayer means its residual branch is not added (h stays h). A set may also skip part of
 every MLP it runs: `channels` names a ranking of each layer's MLP channels (the intermediate
 neurons, most important first, measured on some prompts: calibration/channels.py) and the draft
-keeps the first `keep` share of them in every layer (engine/draft.py), the rest add nothing.
+keeps the first `keep` share of them in every layer (the draft-weights factory, engine/drafts.py),
+the rest are replaced by their mean output.
 """
 from __future__ import annotations
 

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..calibration.router import Neighbour, Route
-from ..policies.base import Forecast
 from .decode import DecodeConfig, Start, Step
 from .generate import Stats, summarize
 from .skipset import SkipSet
+from .strategy import Forecast, Neighbour, Route
 
 FORMAT = "knn-ssd-studio/trace"
 VERSION = 1

@@ -1,7 +1,7 @@
 """Autoregressive decoding: the baseline every speedup is measured against."""
 from __future__ import annotations
 
-from .base import Strategy
+from ..engine.strategy import Strategy
 
 
 class Autoregressive(Strategy):

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 from ..calibration.latency import LatencyModel
 from .adaptive import AdaptiveLength
-from .base import Decision, Forecast, Plan, Strategy
+from ..engine.strategy import Decision, Forecast, Plan, Strategy
 
 
 class Auto(Strategy):

@@ -18,7 +18,7 @@ import torch
 from ..calibration.latency import LatencyModel
 from ..engine.backbone import EMPTY
 from ..engine.skipset import SkipSet
-from .base import Decision, Forecast, Plan, Strategy
+from ..engine.strategy import Decision, Forecast, Plan, Strategy
 
 DEFAULT_KAPPA = 8.0
 

@@ -1,7 +1,7 @@
 """KNN-SSD: route the prompt once after prefill (calibration.router), then draft with that domain's set."""
 from __future__ import annotations
 
-from .base import Decision, Plan, Strategy
+from ..engine.strategy import Decision, Plan, Strategy
 
 
 class KnnStrategy(Strategy):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..engine.skipset import SkipSet
-from .base import Decision, Plan, Strategy
+from ..engine.strategy import Decision, Plan, Strategy
 
 # Spec-Bench category → domain; any other category drafts with the static set.
 ORACLE_CATEGORY_DOMAIN = {

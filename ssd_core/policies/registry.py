@@ -6,6 +6,14 @@ hold per-request state, so every request gets its own.
 """
 from __future__ import annotations
 
+from .adaptive import AdaptiveLength
+from .ar import Autoregressive
+from .auto import Auto
+from .knapspec import KnapSpec
+from .knn import KnnStrategy
+from .oracle import Oracle
+from .static import Static
+
 STRATEGIES = ("ar", "static", "knn", "oracle", "knapspec", "auto")
 LABELS = {"ar": "autoregressive", "static": "static set", "knn": "KNN-SSD", "oracle": "oracle",
           "knapspec": "KnapSpec", "auto": "auto (falls back to AR)"}
@@ -36,8 +44,6 @@ def build(cal, name: str, *, gamma: int = 4, k: int | None = None, vote: str | N
     draft: the draft weights the decode will use (DecodeConfig.draft), so that costs and acceptance
     come from that kind; adaptive: the latency model picks γ ≤ gamma every step.
     """
-    from .adaptive import AdaptiveLength
-
     strategy = _build(cal, name, gamma=gamma, k=k, vote=vote, threshold=threshold, domain=domain,
                       category=category, inner=inner, every=every, draft=draft)
     if adaptive and name not in (BASELINE, "auto"):
@@ -46,13 +52,6 @@ def build(cal, name: str, *, gamma: int = 4, k: int | None = None, vote: str | N
 
 
 def _build(cal, name, *, gamma, k, vote, threshold, domain, category, inner, every, draft):
-    from .ar import Autoregressive
-    from .auto import Auto
-    from .knapspec import KnapSpec
-    from .knn import KnnStrategy
-    from .oracle import Oracle
-    from .static import Static
-
     if name == "ar":
         return Autoregressive()
     if name == "static":

@@ -5,7 +5,7 @@
 
 Input: Spec-Bench's question format (one JSON object a line: question_id, category, turns; the
 first turn is the prompt). Output, in --out: `<strategy>.jsonl` in Spec-Bench's answer format and
-`summary.json` (the figures are defined in tools.stats.DEFINITIONS). Tables and plotly figures
+`summary.json` (the figures are defined in tools.metrics.DEFINITIONS). Tables and plotly figures
 come from the views: `python -m viz.bench_figures OUT` writes `results.md` and the figures.
 
 Fairness: every strategy runs in this one process, interleaved per prompt (`ar`, then
@@ -28,19 +28,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from ..calibration import artifact as cal_io
 from ..calibration.latency import expected_tokens
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
 from ..engine.device import add_device_argument, device_label
 from ..engine.draft import DRAFT_KINDS
 from ..engine.generate import generate
+from ..engine.loading import load_backbone
 from ..engine.trace import record as record_trace
 from ..policies.oracle import ORACLE_CATEGORY_DOMAIN
-from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, parse_strategies
+from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, build as build_strategy, parse_strategies
 from .specbench import Question, answer_line, load_questions, mix_order, select, switch_rate
 from .reference import hf_generate
-from .stats import (DEFINITIONS, aggregate, combine_predictions, draft_memory, first_difference, group_stats,
+from .metrics import (DEFINITIONS, aggregate, combine_predictions, draft_memory, first_difference, group_stats,
                     machine, median_speedup, round_or_none)
 
 
@@ -126,8 +129,6 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
     latency model picks each step's draft length ≤ gamma; traces: a folder to write every run's
     trace to (`<strategy>/<question_id>.json`, the app's replay format).
     """
-    from tqdm.auto import tqdm
-
     names = parse_strategies(strategies)
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, gamma=gamma, seed=seed, draft=draft, lookup=lookup)
@@ -146,7 +147,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
                              f"{backbone.max_positions}; lower --max-prompt-tokens")
 
     def fresh(name: str, q: Question):
-        return calibration.strategy(name, gamma=gamma, category=q.category if name == "oracle" else None,
+        return build_strategy(calibration, name, gamma=gamma, category=q.category if name == "oracle" else None,
                                     draft=draft, adaptive=adaptive)
 
     hf_every = int(hf_generate_every or 0)
@@ -220,8 +221,8 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
                            "max_prompt_tokens": max_prompt_tokens, "mix_ratio": mix_ratio, "seed": seed,
                            "hf_generate_every": hf_every, "warmup": warmup, "stop_at_eos": True,
                            "greedy": True, "draft": draft, "lookup": lookup, "adaptive_gamma": adaptive,
-                           "draft_label": (backbone.draft_weights(draft).label
-                                           if backbone.draft_weights(draft) is not None else "fp32 draft"),
+                           "draft_label": (backbone.drafts.get(draft).label
+                                           if backbone.drafts.get(draft) is not None else "fp32 draft"),
                            **(settings or {})}
     answers = {n: [answer_line(backbone.name, r) for r in records[n]] for n in names}
     return BenchRun(summary, answers)
@@ -362,9 +363,6 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     add_device_argument(ap)
     args = ap.parse_args(argv)
-
-    from .. import calibration as cal_io
-    from ..engine.loading import load_backbone
 
     torch.set_num_threads(args.threads)
     names = parse_strategies(args.strategies)

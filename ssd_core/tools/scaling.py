@@ -20,17 +20,20 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from ..calibration import artifact as cal_io
 from ..calibration.domains import DOMAIN_DIR, load_prompts
 from ..engine.backbone import EMPTY, Backbone
 from ..engine.decode import DecodeConfig
 from ..engine.device import add_device_argument, device_label
 from ..engine.generate import generate
+from ..engine.loading import load_backbone
 from ..engine.prompt import PromptIds
 from ..policies.knapspec import choose_skip, knapsack_min_loss, prompt_similarity
-from ..policies.registry import BASELINE, parse_strategies
-from .stats import DEFINITIONS as BENCH_DEFINITIONS
-from .stats import group_stats, machine, round_or_none
+from ..policies.registry import BASELINE, build as build_strategy, parse_strategies
+from .metrics import DEFINITIONS as BENCH_DEFINITIONS
+from .metrics import group_stats, machine, round_or_none
 
 LENGTHS = (256, 1024, 2048, 4096)
 SWEEP = (128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8000)
@@ -192,8 +195,6 @@ def findings(result: dict, calibration) -> list[str]:
 def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: int = 48,
                 gamma: int | None = None, repeats: int = 1, strategies=DEFAULT_STRATEGIES,
                 sweep_contexts=SWEEP, warmup: bool = True, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
     gamma = int(gamma or calibration.meta.get("settings", {}).get("gamma", 4))
     names = parse_strategies(strategies)
     room = backbone.max_positions - new_tokens - gamma - 2
@@ -208,7 +209,7 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
     if warmup:
         first = prompts[(lengths[0], 0)]
         for name in names:
-            generate(backbone, first, calibration.strategy(name, gamma=gamma),
+            generate(backbone, first, build_strategy(calibration, name, gamma=gamma),
                      DecodeConfig(max_new_tokens=min(8, new_tokens), gamma=gamma, stop_at_eos=False))
     bar = tqdm(total=len(prompts) * len(names), desc="scaling", unit="run", disable=not progress)
     points, failures = [], []
@@ -220,7 +221,7 @@ def run_scaling(backbone: Backbone, calibration, lengths=LENGTHS, new_tokens: in
             ar_ids = None
             for name in names:
                 bar.set_postfix_str(f"{len(ids)} tokens {name}")
-                g = generate(backbone, ids, calibration.strategy(name, gamma=gamma), cfg)
+                g = generate(backbone, ids, build_strategy(calibration, name, gamma=gamma), cfg)
                 st = g.stats
                 recs[name].append({"new_tokens": st.new_tokens, "wall_s": st.wall_s, "prefill_s": st.prefill_s,
                                    "accept_lengths": list(st.accept_lengths), "drafted": st.drafted,
@@ -289,9 +290,6 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--out", default="assets/bench/scaling")
     add_device_argument(ap)
     args = ap.parse_args(argv)
-
-    from .. import calibration as cal_io
-    from ..engine.loading import load_backbone
 
     torch.set_num_threads(args.threads)
     bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)

@@ -7,7 +7,6 @@ checksum recorded at calibration *before* unpickling it.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 import warnings
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import sha256_file, staged_writes
+
 COORDS_FILE = "domain_map.npz"
 MODEL_FILE = "umap.joblib"
 MIN_POINTS = 4          # UMAP's spectral start-up needs a handful of points
@@ -23,14 +24,6 @@ MIN_POINTS = 4          # UMAP's spectral start-up needs a handful of points
 
 class DomainMapError(ValueError):
     """The map cannot be loaded or cannot place new points."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _import_umap():
@@ -55,7 +48,7 @@ def _single_threaded():
     busy 2-core machine (measured: 87 ms with 2 threads vs 1.4 ms with 1). numba's thread
     count is per calling thread, so this does not change other threads' setting.
     """
-    import numba
+    import numba      # lazy: umap's dependency, imported only where umap is (module docstring)
     before = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
@@ -130,10 +123,8 @@ class DomainMap:
         """Write the coordinates (npz) and the fitted UMAP (joblib); return names and checksum.
 
         Both files are written atomically (temporary + os.replace). With `stage` (a
-        artifact.StagedWrites) they are only staged, and go into place when it commits.
+        files.StagedWrites) they are only staged, and go into place when it commits.
         """
-        from .artifact import staged_writes   # artifact imports this module
-
         if stage is None:
             with staged_writes(folder) as own:
                 return self.save(folder, stage=own)
@@ -141,10 +132,10 @@ class DomainMap:
             np.savez(f, coords=self.coords)
         if self.model is None:
             return {"umap_sha256": None, "coords_file": COORDS_FILE, "model_file": None}
-        import joblib
+        import joblib     # lazy: only saving / loading the fitted UMAP needs it
         with stage.open(MODEL_FILE) as f:
             joblib.dump(self.model, f)
-        return {"umap_sha256": _sha256(stage.path(MODEL_FILE)), "coords_file": COORDS_FILE,
+        return {"umap_sha256": sha256_file(stage.path(MODEL_FILE)), "coords_file": COORDS_FILE,
                 "model_file": MODEL_FILE}
 
     @staticmethod
@@ -165,13 +156,13 @@ class DomainMap:
             raise DomainMapError(f"no checksum given for {path}; refusing to unpickle it")
         if not path.is_file():
             raise DomainMapError(f"no fitted UMAP at {path}; re-run calibration")
-        actual = _sha256(path)
+        actual = sha256_file(path)
         if not hmac.compare_digest(actual, str(expected_sha256).lower()):
             raise DomainMapError(f"{path} has SHA-256 {actual}, expected {expected_sha256}: the "
                                  "file changed since calibration; refusing to unpickle it")
         coords = cls.load_coords(folder).coords
         umap = _import_umap()
-        import joblib
+        import joblib     # lazy: only saving / loading the fitted UMAP needs it
         model = joblib.load(path)
         if not isinstance(model, umap.UMAP):
             raise DomainMapError(f"{path} holds a {type(model).__name__}, not a fitted UMAP")

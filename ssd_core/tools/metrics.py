@@ -155,7 +155,7 @@ def rss_mb() -> float | None:
 def draft_memory(backbone, draft: str) -> dict:
     """What the draft copy costs in memory: RSS before / after building it, and its own bytes."""
     before = rss_mb()
-    weights = backbone.draft_weights(draft)
+    weights = backbone.drafts.get(draft)
     after = rss_mb()
     extra = weights.extra_bytes() if weights is not None else 0
     fp32 = backbone.weight_bytes() + backbone.embed.numel() * backbone.embed.element_size() * (

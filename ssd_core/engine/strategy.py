@@ -1,4 +1,5 @@
-"""The strategy interface: what a strategy is told, and what it answers.
+"""The strategy interface: what a strategy is told, and what it answers (and the router's answer,
+`Route`, which a plan carries: the engine knows its shape, not the router that makes it).
 
 `start` is called once after prefill and returns a `Plan` (where the prompt was routed, the first
 skip set); `choose` is called before every step and returns a `Decision` (the set to draft with, or
@@ -9,12 +10,54 @@ the app, the bench and the tests read what happened from the events, never from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from ..engine.skipset import SkipSet
+from .skipset import SkipSet
 
-if TYPE_CHECKING:
-    from ..calibration.router import Route
+
+@dataclass(frozen=True)
+class Neighbour:
+    """One of the K nearest anchors of a query."""
+
+    text: str          # prompt text of the anchor ("" for a centroid)
+    domain: str
+    similarity: float  # cosine similarity to the query
+    kind: str          # "prompt" or "centroid"
+    index: int         # row in the anchor table
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "domain": self.domain, "similarity": self.similarity,
+                "kind": self.kind, "index": self.index}
+
+
+@dataclass(frozen=True)
+class Route:
+    """The router's answer (calibration.router.Router.route) for one prompt, with everything the UI needs to explain it."""
+
+    domain: str | None                  # None = unknown domain (below threshold) → fallback set
+    votes: dict[str, float]             # domain → vote weight among the K nearest anchors
+    neighbours: tuple[Neighbour, ...]   # the K nearest anchors, best first
+    similarity: float                   # similarity of the nearest anchor
+    skip: SkipSet                       # the chosen set (domain's set or the fallback)
+    unknown: bool
+    vote: str = "weighted"
+    threshold: float = 0.5
+
+    def describe(self) -> str:
+        if self.unknown:
+            return (f"unknown domain (best similarity {self.similarity:.2f} < {self.threshold:.2f})"
+                    f" → {self.skip.name or 'static'} set")
+        agree = sum(n.domain == self.domain for n in self.neighbours)
+        weight = "" if self.vote == "majority" else f", weight {self.votes[self.domain]:.2f}"
+        return (f"routed to {self.domain} ({agree}/{len(self.neighbours)} votes{weight}, "
+                f"similarity {self.similarity:.2f})")
+
+    def to_dict(self) -> dict:
+        return {"domain": self.domain, "votes": dict(self.votes),
+                "neighbours": [n.to_dict() for n in self.neighbours],
+                "similarity": self.similarity, "skip": self.skip.to_dict(),
+                "unknown": self.unknown, "vote": self.vote, "threshold": self.threshold,
+                "description": self.describe()}
+
 
 
 @dataclass(frozen=True)
