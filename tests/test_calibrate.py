@@ -367,7 +367,7 @@ def test_an_old_artefact_routes_on_its_old_embedding_and_rebuild_router_moves_it
         assert np.allclose(pre.embedding.numpy(), pre.embedding_user.numpy())
         assert cal.router.route(pre.embedding).to_dict() == old.route(pre.embedding_user).to_dict()
         ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=16)
-        assert generate(tiny, prompt, cal.strategy("knn", gamma=3), max_new_tokens=16, gamma=3).token_ids == ar.token_ids
+        assert generate(tiny, prompt, build_strategy(cal, "knn", gamma=3), max_new_tokens=16, gamma=3).token_ids == ar.token_ids
         sets = dict(cal.domain_sets)
         new = rebuild_router(folder, backbone=tiny, progress=False)
         assert new.embedding == "last_token" == tiny.embedding_kind and new.router.center is not None
