@@ -1,5 +1,7 @@
-"""The Benchmark tab's reading of assets/bench/: the headline run first, one entry per other run."""
+"""The Benchmark tab's reading of assets/bench/: the headline run first, one entry per other run,
+and the committed folder keeps only runs that the index and a docs page cite."""
 import json
+import re
 from pathlib import Path
 
 from viz import benchmark as vbench
@@ -49,3 +51,19 @@ def test_without_an_index_the_first_run_in_name_order_leads(tmp_path):
 def test_studio_still_exports_the_bench_readers():
     assert vstudio.read_bench is vbench.read_bench and vstudio.bench_plots is vbench.bench_plots
 
+
+def test_committed_bench_leads_with_its_headline_and_keeps_only_cited_runs():
+    headline = vbench.headline_name(BENCH)
+    assert headline and (BENCH / headline / "summary.json").exists()
+    bench = vbench.read_bench(BENCH)
+    assert bench["headline"] == headline and bench["summary"]["lossless"] is True
+    assert bench["markdown"][0][0].startswith("Headline run:")
+    index = (BENCH / "README.md").read_text(encoding="utf-8")
+    docs = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "docs").glob("*.md"))
+    for entry in BENCH.iterdir():
+        if entry.name == "README.md":
+            continue
+        assert f"`{entry.name}" in index, f"assets/bench/{entry.name} is not in the index"
+        assert entry.name in docs, f"no docs page cites assets/bench/{entry.name}"
+    for cited in re.findall(r"^\| `([\w.]+)/?`", index, flags=re.M):     # the index lists no missing run
+        assert (BENCH / cited).exists(), cited
