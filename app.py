@@ -40,8 +40,9 @@ from viz import session as vs
 from viz import startup
 from viz.limits import (UPLOAD_GRACE_S, LaterDelete, Limits, busy_message, forget_upload, parse_overrides,
                         private_server)
+from viz.benchmark import bench_plots
 from viz.studio import (ALLOWED_MODELS, DEFAULT_DRAFT_LABEL, DRAFTS, ROOT, STRATEGY_OF_LABEL, Studio, Update,
-                        bench_plots, public_message)
+                        public_message)
 from viz.theme import css_variables
 
 ASSETS = ROOT / "assets"

@@ -173,14 +173,14 @@ def test_benchmark_view_without_and_with_results(tmp_path):
                                                                  "decoding_steps": [2]}]}
     (tmp_path / "run" / "knn.jsonl").write_text(json.dumps(answer) + "\n")
     (tmp_path / "run" / "notes.jsonl").write_text('{"not": "an answer"}\n')
-    bench = vstudio.read_bench(tmp_path)
+    bench = vbench.read_bench(tmp_path)
     html = vbench.summary_html(bench["summary"]) + vbench.core_html(bench["core"])
     assert "KNN-SSD" in html and "0.90×" in html and "✓" in html and "25.0" in html
     assert bench["markdown"][0][1].startswith("| a |") and list(bench["answers"]) == ["knn"]
-    assert all(hasattr(f, "to_json") for f in vstudio.bench_plots(bench))
-    empty = vstudio.read_bench(tmp_path / "nothing")
+    assert all(hasattr(f, "to_json") for f in vbench.bench_plots(bench))
+    empty = vbench.read_bench(tmp_path / "nothing")
     assert empty["summary"] is None and empty["core"] is None and not empty["markdown"]
-    assert vstudio.bench_plots(empty) == []
+    assert vbench.bench_plots(empty) == []
 
 
 # --- handlers ------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Pure functions, plus `render(folder)`, which writes the tables and figures of a folder that
 `python -m ssd_core.bench` or `python -m ssd_core.scaling` filled, beside its data:
 
-    python -m viz.bench_figures assets/bench/sample_run
+    python -m viz.bench_figures assets/bench/heldout_mix1_onednn
 """
 from __future__ import annotations
 

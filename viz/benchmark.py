@@ -1,12 +1,27 @@
-"""Benchmark tab: the committed results (assets/bench/) as readable tables."""
+"""Benchmark tab: the committed results (assets/bench/) as readable tables.
+
+`read_bench` reads the folder: the headline run named in its index (assets/bench/README.md,
+`<!-- headline: RUN -->`) first, then every other kept run's results.md, one entry per run.
+"""
 from __future__ import annotations
 
+import json
+import logging
+import re
+from pathlib import Path
+
 from ssd_core.policies.registry import LABELS
+from ssd_core.tools.specbench import load_answers
 
 from .tokens import escape
 
+log = logging.getLogger("knn-ssd-studio")
+ROOT = Path(__file__).resolve().parent.parent
+INDEX = "README.md"                                    # assets/bench/README.md: the runs kept, and why
+HEADLINE = re.compile(r"<!--\s*headline:\s*([\w./-]+)\s*-->")
+
 NOTHING = ('<div class="bench-empty">No benchmark committed yet. Run <code>python -m ssd_core.bench '
-           "--questions assets/bench/sample_questions.jsonl --out assets/bench/sample_run</code> and "
+           "--questions assets/bench/sample_questions.jsonl --out assets/bench/my_run</code> and "
            "<code>python -m ssd_core.tools.microbench</code>, then restart the app.</div>")
 
 
@@ -94,3 +109,99 @@ def core_html(core: dict | None) -> str:
     return (f'<h4>Engine speed ({escape(str(core.get("model", "")))})</h4><table class="bench-table">'
             f"<tr><th>decoder</th><th>tokens/s</th><th>weight bandwidth</th></tr>{rows}</table>"
             f'<p class="muted">{escape(facts)}</p>')
+
+
+# --- reading assets/bench/ ---------------------------------------------------------------------------
+def headline_name(folder: Path) -> str | None:
+    """The run the index names as the headline (`<!-- headline: RUN -->`), or None."""
+    try:
+        m = HEADLINE.search((folder / INDEX).read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def read_bench(folder: Path) -> dict:
+    """The committed benchmark results under `folder` (nothing → empty entries).
+
+    `summary` is the headline run's summary.json; without an index naming one, the first run folder
+    in name order that has a summary. `markdown` lists (label, text): the headline run's results
+    first, then the index, then one entry per other run (its results.md files joined, subfolders
+    under their own heading), so the Benchmark tab shows one accordion per run.
+    """
+    out = {"summary": None, "summary_path": "", "answers": {}, "core": None, "scaling": None, "markdown": [],
+           "headline": None}
+    name = headline_name(folder)
+    candidates = ([folder / name / "summary.json"] if name else []) + sorted(folder.glob("*/summary.json"))
+    for path in candidates:
+        summary = _read_json(path)
+        if summary:
+            out["summary"], out["headline"] = summary, path.parent.name
+            out["summary_path"] = ("headline run: " if path.parent.name == name else "") + _rel(path)
+            out["answers"] = {p.stem: a for p in sorted(path.parent.glob("*.jsonl")) if (a := _answers(p))}
+            break
+    out["core"] = _read_json(folder / "core.json")
+    out["scaling"] = next((s for p in sorted(folder.glob("**/scaling.json")) if (s := _read_json(p))), None)
+    out["markdown"] = _markdown_by_run(folder, out["headline"])
+    return out
+
+
+def _markdown_by_run(folder: Path, headline: str | None) -> list[tuple[str, str]]:
+    runs: dict[str, list[Path]] = {}
+    for p in sorted(folder.glob("**/*.md")):
+        rel = p.relative_to(folder)
+        runs.setdefault(rel.parts[0] if len(rel.parts) > 1 else rel.name, []).append(p)
+    entries = []
+    for run, paths in runs.items():
+        if len(paths) == 1:
+            label, text = _rel(paths[0]), paths[0].read_text(encoding="utf-8")
+        else:
+            label = _rel(folder / run) + "/"
+            text = "\n\n".join(f"#### {p.relative_to(folder / run)}\n\n" + p.read_text(encoding="utf-8")
+                               for p in paths)
+        if run == headline:
+            label = "Headline run: " + label
+        entries.append((run, label, text))
+    order = {headline: 0, INDEX: 1}
+    entries.sort(key=lambda e: order.get(e[0], 2))    # stable: the rest stay in name order
+    return [(label, text) for _, label, text in entries]
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _answers(path: Path) -> list:
+    """Spec-Bench answer records (one JSON object a line with `choices`), or [] for other files."""
+    try:
+        rows = load_answers(path)
+    except (OSError, ValueError):
+        return []
+    return rows if rows and all(isinstance(r, dict) and "choices" in r for r in rows) else []
+
+
+def bench_plots(bench: dict) -> list:
+    """The bench's own figures (viz.bench_figures), for whatever results exist."""
+    try:
+        from viz import bench_figures as bf
+        figs = []
+        if bench["summary"]:
+            figs += [bf.speedup_figure(bench["summary"]), bf.tau_figure(bench["summary"])]
+        if bench["answers"]:
+            figs.append(bf.accept_length_figure(bench["answers"]))
+        if bench["scaling"]:
+            figs.append(bf.scaling_figure(bench["scaling"]))
+        return figs
+    except Exception as exc:      # results written by another version: show the tables, log the rest
+        log.warning("benchmark figures unavailable: %s", exc)
+        return []
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)

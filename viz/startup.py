@@ -16,7 +16,8 @@ from ssd_core.engine import loading as core_loading
 from viz.handlers import generate
 from viz.limits import Limits
 from viz.session import banner
-from viz.studio import BENCH_DIR, QUICK_CALIBRATION, Studio, Update, public_message, read_bench
+from viz.benchmark import read_bench
+from viz.studio import BENCH_DIR, QUICK_CALIBRATION, Studio, Update, public_message
 
 
 def load_map(cal) -> tuple[object | None, str]:

@@ -12,7 +12,6 @@ import secrets
 # torch decodes at start-up; its own work-queue layer is enough for placing one point at a time.
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
-import json
 import logging
 import threading
 import unicodedata
@@ -24,7 +23,6 @@ from pathlib import Path
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.policies import registry
 from ssd_core.policies.ar import Autoregressive
-from ssd_core.tools.specbench import load_answers
 from viz import domain_map as vmap
 from viz.limits import Limits
 
@@ -96,61 +94,6 @@ class Studio:
         with self.lock:
             self.calibration, self.cal_error = cal, ""
             self.domain_map, self.anchors, self.map_error = domain_map, anchors, map_error
-
-
-def read_bench(folder: Path) -> dict:
-    """Whatever benchmark results are committed under assets/bench/ (nothing → empty entries)."""
-    out = {"summary": None, "summary_path": "", "answers": {}, "core": None, "scaling": None, "markdown": []}
-    for path in sorted(folder.glob("*/summary.json")):
-        summary = _read_json(path)
-        if summary:
-            out["summary"], out["summary_path"] = summary, _rel(path)
-            out["answers"] = {p.stem: a for p in sorted(path.parent.glob("*.jsonl")) if (a := _answers(p))}
-            break
-    out["core"] = _read_json(folder / "core.json")
-    out["scaling"] = next((s for p in sorted(folder.glob("**/scaling.json")) if (s := _read_json(p))), None)
-    out["markdown"] = [(_rel(p), p.read_text(encoding="utf-8")) for p in sorted(folder.glob("**/*.md"))]
-    return out
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _answers(path: Path) -> list:
-    """Spec-Bench answer records (one JSON object a line with `choices`), or [] for other files."""
-    try:
-        rows = load_answers(path)
-    except (OSError, ValueError):
-        return []
-    return rows if rows and all(isinstance(r, dict) and "choices" in r for r in rows) else []
-
-
-def bench_plots(bench: dict) -> list:
-    """The bench's own figures (viz.bench_figures), for whatever results exist."""
-    try:
-        from viz import bench_figures as bf
-        figs = []
-        if bench["summary"]:
-            figs += [bf.speedup_figure(bench["summary"]), bf.tau_figure(bench["summary"])]
-        if bench["answers"]:
-            figs.append(bf.accept_length_figure(bench["answers"]))
-        if bench["scaling"]:
-            figs.append(bf.scaling_figure(bench["scaling"]))
-        return figs
-    except Exception as exc:      # results written by another version: show the tables, log the rest
-        log.warning("benchmark figures unavailable: %s", exc)
-        return []
-
-
-def _rel(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 def public_message(text: str) -> str:
