@@ -344,3 +344,33 @@ def test_the_race_measures_the_gap_where_texts_part(studio, monkeypatch):
     result = raced[-1]["session"].race
     assert result.identical is False and result.first_difference is not None and result.tie_gap is not None
     assert "texts" in raced[-1]["race"]
+
+
+CONCURRENT_MAP = """
+import os, sys, threading
+os.environ["NUMBA_THREADING_LAYER"] = "workqueue"          # as the app sets it (viz.studio)
+sys.path.insert(0, {root!r})
+import numpy as np
+from ssd_core.calibration.umap_map import DomainMap
+rng = np.random.default_rng(0)
+dm = DomainMap.fit(rng.normal(size=(60, 16)).astype("float32"))
+dm.warm()
+def place():
+    for _ in range(40):
+        dm.transform(rng.normal(size=16))
+threads = [threading.Thread(target=place) for _ in range(6)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("placed")
+"""
+
+
+@pytest.mark.slow
+def test_the_domain_map_places_prompts_from_many_lanes_at_once():
+    """Replays and a Generate place prompts on the map from different threads; numba's workqueue layer
+    aborts the process on concurrent entry (the load test caught it), so placements take turns."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_MAP.format(root=str(ROOT))], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "placed" in done.stdout, done.stderr[-2000:]

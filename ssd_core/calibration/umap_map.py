@@ -8,6 +8,7 @@ checksum recorded at calibration *before* unpickling it.
 from __future__ import annotations
 
 import hmac
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -38,6 +39,12 @@ def _import_umap():
 def _fitted_rows(model) -> np.ndarray:
     # UMAP keeps its training data (transform needs it); it is the one record of the fitted width
     return model._raw_data
+
+
+# numba's workqueue threading layer (viz.studio sets it) aborts the whole process when two threads enter it
+# at once ("Concurrent access has been detected"): the app places prompts from several lanes (a Generate
+# beside replays), so every transform goes through this one lock. Placing a point takes ~1 ms.
+_NUMBA = threading.Lock()
 
 
 @contextmanager
@@ -108,7 +115,7 @@ class DomainMap:
         if row.shape[1] != expected:
             raise DomainMapError(f"embedding has {row.shape[1]} values, the map was fitted on "
                                  f"{expected}")
-        with _single_threaded():
+        with _NUMBA, _single_threaded():
             x, y = self.model.transform(row)[0]
         return float(x), float(y)
 
