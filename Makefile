@@ -20,4 +20,9 @@ test: install-dev
 test-fast:
 	$(PY) -m pytest -q -m "not real and not browser and not slow"
 
-.PHONY: install install-dev run test test-fast
+# The public Space's load test (docs/space.md): the real app with SPACE_ID set under mixed visitors,
+# about 4 minutes; left out of `make test` (timing checks belong on a quiet machine, not in CI).
+test-load:
+	$(PY) -m pytest -q -m load
+
+.PHONY: install install-dev run test test-fast test-load

@@ -217,7 +217,7 @@ def bad_visitor(url, i, stop_at, tally: Tally, bad_files):
         n += 1
         try:
             out = c.predict(*args, api_name=api)
-            text = json.dumps(out, default=str)
+            text = json.dumps(out, default=str, ensure_ascii=False)
             if "⚠" not in text and "Type a prompt" not in text:
                 raise RuntimeError(f"{api} accepted bad input: {text[:200]}")
             tally.count("bad_inputs_answered")

@@ -374,3 +374,10 @@ def test_the_domain_map_places_prompts_from_many_lanes_at_once():
     done = subprocess.run([sys.executable, "-c", CONCURRENT_MAP.format(root=str(ROOT))], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "placed" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_replay_sends_a_few_updates_a_second_and_always_the_last(monkeypatch):
+    updates = [{"tokens": i} for i in range(7)] + [{"stats": "done"}]
+    monkeypatch.setattr(th.time, "monotonic", iter([0.0, 0.1, 0.2, 0.3, 0.35, 0.6, 0.61, 0.62]).__next__)
+    out = list(th.coalesced(updates, every_s=0.25))
+    assert out == [{"tokens": 0}, {"tokens": 3}, {"tokens": 5}, {"tokens": 6, "stats": "done"}]

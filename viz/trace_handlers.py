@@ -25,6 +25,7 @@ REPLAY_OUTPUTS = GEN_OUTPUTS + ("walk", "prompt")
 SPEEDS = {"0.5×": 0.5, "1×": 1.0, "2×": 2.0, "4×": 4.0, "instant": None}
 DEFAULT_SPEED = "1×"
 MAX_PAUSE_S = 2.0                  # no single step holds the replay longer than this
+UPDATE_EVERY_S = 0.25             # a replay sends the page at most one update per this
 UPLOADS_KEPT = 8                   # parsed uploads kept for visitors who upload the same file
 
 
@@ -57,6 +58,21 @@ def _paced(events, waits, should_stop):
         if wait > 0:
             time.sleep(wait)
         yield ev_dt
+
+
+def coalesced(updates, every_s: float = UPDATE_EVERY_S):
+    """The updates merged so that at most one goes out per `every_s` (a later value of an output replaces
+    an earlier one), the last always: a replay of short steps costs the server and the page a few
+    renders a second, not one per step."""
+    pending, sent = {}, float("-inf")
+    for update in updates:
+        pending.update(update)
+        now = time.monotonic()
+        if now - sent >= every_s:
+            yield pending
+            pending, sent = {}, now
+    if pending:
+        yield pending
 
 
 def _problem(message: str, session) -> dict:
@@ -123,8 +139,8 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, disc
             + (f"Played faster than asked: a replay lasts at most {lim.replay_s} s here. "
                if sum(waits) + 1e-9 < sum(asked) else ""))
     yield dict(session=session, walk=walk_view(studio, None), prompt=trace.prompt)
-    for update in show_events(studio, session, run, _paced(events, waits, lambda: session.stop), note,
-                              verb="replaying"):
+    for update in coalesced(show_events(studio, session, run, _paced(events, waits, lambda: session.stop), note,
+                                        verb="replaying")):
         yield dict(session=session, **update)
     session.race = _race(trace.meta.get("race"))
     cost, what_if_fig = cost_view(studio, run, session.race) if not run.foreign else (None, None)
