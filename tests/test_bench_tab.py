@@ -48,10 +48,6 @@ def test_without_an_index_the_first_run_in_name_order_leads(tmp_path):
     assert vbench.read_bench(tmp_path)["summary"]["model"] == "a"
 
 
-def test_studio_still_exports_the_bench_readers():
-    assert vstudio.read_bench is vbench.read_bench and vstudio.bench_plots is vbench.bench_plots
-
-
 def test_committed_bench_leads_with_its_headline_and_keeps_only_cited_runs():
     headline = vbench.headline_name(BENCH)
     assert headline and (BENCH / headline / "summary.json").exists()
