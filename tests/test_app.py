@@ -341,7 +341,7 @@ def test_sessions_do_not_share_state(studio):
     handlers.stop(studio, a)                                  # a's Stop must not reach b
     b = run(handlers.generate, studio, "static set", prompt="Write a SQL query that counts rows.")[-1]["session"]
     assert a.run.prompt == PROMPT and a.run.strategy == "knn" and b.run.strategy == "static"
-    assert not b.stop and "stopped" not in column(run(handlers.generate, studio, "static set", session=b), "tokens")[-1]
+    assert not b.stop and "done ·" in column(run(handlers.generate, studio, "static set", session=b), "tokens")[-1]
 
 
 def test_cost_panel_explains_the_last_run(studio):

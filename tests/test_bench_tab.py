@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 from viz import benchmark as vbench
-from viz import studio as vstudio
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "assets" / "bench"
