@@ -8,7 +8,6 @@ these dicts into Gradio's positional outputs in one place.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import replace
 
@@ -109,8 +108,7 @@ def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_ne
 
 def model_failed(exc: Exception) -> str:
     """What a visitor reads when decoding raised: the error in one line, no traceback, no server paths."""
-    text = re.sub(r"(?<![\w.])/(?:[\w.-]+/)+[\w.-]*", "…", public_message(str(exc)))   # no server paths
-    return f"The model failed on this request ({type(exc).__name__}: {text[:300]})."
+    return f"The model failed on this request ({type(exc).__name__}: {public_message(str(exc))[:300]})."
 
 
 # --- Generate and Race -------------------------------------------------------------------------------

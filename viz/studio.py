@@ -13,6 +13,7 @@ import secrets
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 import logging
+import re
 import threading
 import unicodedata
 from collections import OrderedDict
@@ -97,9 +98,10 @@ class Studio:
 
 
 def public_message(text: str) -> str:
-    """A message fit for a public page: no absolute file-system paths."""
-    text = text.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
-    return text.replace(str(Path.home()), "~")
+    """A message fit for a public page: no absolute file-system paths (the repo's become relative, the
+    home's `~`, any other becomes …)."""
+    text = text.replace(str(ROOT) + "/", "").replace(str(ROOT), ".").replace(str(Path.home()), "~")
+    return re.sub(r"(?<![\w.~])/(?:[\w.-]+/)+[\w.-]*", "…", text)
 
 
 # --- building a request -----------------------------------------------------------------------------
