@@ -3,10 +3,13 @@
 Prepacking changes only the summation order of the same fp32 arithmetic; these tests hold both kernels
 to each other and to transformers' `generate`, for autoregressive and speculative decoding.
 """
+import json
+
 import pytest
 import torch
 
 from hf_reference import hf_greedy
+from ssd_core.engine import machine
 from ssd_core.engine.weights import onednn_available
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
@@ -28,16 +31,61 @@ def _logits(bb, ids):
 
 
 @needs_onednn
-def test_cpu_fp32_defaults_to_onednn_and_plain_is_selectable(monkeypatch):
+def test_auto_measures_each_pass_shape_once_and_caches_the_choice_per_cpu(monkeypatch, tmp_path):
+    """auto: the faster kernel for one row and for several, measured on this machine and cached outside
+    the project, keyed by CPU; a second backbone reads the cache; another CPU measures again."""
     monkeypatch.delenv("SSD_KERNEL", raising=False)
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(bb, rows=(1, 5), **kw):       # onednn loses one row and wins five, as on one Xeon
+        calls.append(bb.name)
+        return {1: {"plain": 0.030, "onednn": 0.040}, 5: {"plain": 0.090, "onednn": 0.050}}
+    monkeypatch.setattr(machine, "measure_kernels", fake)
     bb = tiny_backbone()
-    assert bb.kernel == "onednn"
-    bb.set_kernel("plain")
-    assert bb.kernel == "plain"
+    assert bb.kernel == "plain/onednn" and len(calls) == 1
+    assert bb._targets[0][1] is torch.nn.functional.linear and bb._targets[1][1] is not torch.nn.functional.linear
+    entry, = json.loads((tmp_path / machine.CHOICE_FILE).read_text()).values()
+    assert entry["choice"] == ["plain", "onednn"] and entry["cpu"] == machine.cpu_info()
+    assert entry["timings_ms"]["1"] == {"plain": 30.0, "onednn": 40.0}
+    assert tiny_backbone().kernel == "plain/onednn" and len(calls) == 1        # cached
+    other = {**machine.cpu_info(), "model": "AMD EPYC (another machine)"}
+    monkeypatch.setattr(machine, "cpu_info", lambda: other)
+    tiny_backbone()
+    assert len(calls) == 2                                                     # another CPU: measured
+    (tmp_path / machine.CHOICE_FILE).write_text("{not json")
+    assert tiny_backbone().kernel == "plain/onednn" and len(calls) == 3        # a broken cache: measured
+
+
+@needs_onednn
+def test_plain_wins_everywhere_drops_the_packed_copy(monkeypatch, tmp_path):
+    monkeypatch.delenv("SSD_KERNEL", raising=False)
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "measure_kernels",
+                        lambda bb, **kw: {1: {"plain": 1.0, "onednn": 2.0}, 5: {"plain": 1.0, "onednn": 2.0}})
+    bb = tiny_backbone()
+    assert bb.kernel == "plain" and bb._packed is None
+
+
+def test_kernels_are_selectable_by_name_and_environment(monkeypatch):
+    bb = tiny_backbone()
+    for name in ("plain", "onednn", "plain/onednn", "onednn/plain"):
+        if "onednn" in name and not onednn_available(torch.device("cpu"), torch.float32):
+            continue
+        bb.set_kernel(name)
+        assert bb.kernel == name
     monkeypatch.setenv("SSD_KERNEL", "plain")
     assert tiny_backbone().kernel == "plain"
-    with pytest.raises(ValueError, match="auto, plain or onednn"):
-        bb.set_kernel("fast")
+    for bad in ("fast", "plain/fast", "/onednn"):
+        with pytest.raises(ValueError, match="auto, plain or onednn"):
+            bb.set_kernel(bad)
+
+
+def test_measure_kernels_times_both_kernels_for_each_shape():
+    bb = tiny_backbone()
+    timing = machine.measure_kernels(bb, rows=(1, 3), repeats=2)
+    assert set(timing) == {1, 3} and all(set(t) == set(machine.KERNELS) for t in timing.values())
+    assert all(s > 0 for t in timing.values() for s in t.values())
 
 
 def test_onednn_needs_fp32_on_a_cpu():
@@ -66,7 +114,7 @@ def test_both_kernels_decode_like_transformers():
     for prompt in PROMPTS:
         ids = bb.encode(prompt)
         ref = hf_greedy(bb, ids, 40)
-        for kernel in ("onednn", "plain"):
+        for kernel in ("onednn", "plain", "plain/onednn", "onednn/plain"):
             bb.set_kernel(kernel)
             for strategy in (Autoregressive(), Static(SkipSet(frozenset({0, 2}), frozenset({1, 3})))):
                 assert generate(bb, ids, strategy, cfg).token_ids == ref, (prompt, kernel, strategy)

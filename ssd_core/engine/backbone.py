@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .device import device_label
 from .drafts import DraftFactory
 from .kv_cache import KVCache
+from .machine import KERNELS, fastest_kernels
 from .prompt import PromptIds, encode_prompt
 from .skipset import SkipSet
 from .weights import (LayerWeights, ModelWeights, onednn_available, onednn_linear, onednn_pack, weights_from_hf,
@@ -114,39 +115,59 @@ class Backbone:
         self.drafts = DraftFactory(self)  # what draft passes read: draft kinds, small head, channel sets
         self.embedding_kind = DEFAULT_EMBEDDING     # Prefill.embedding's pooling (the calibration's, set_embedding)
         self._lock = threading.Lock()   # guards the lazily built reference model
-        self.kernel = ""                # the verifier's matmuls: "plain" or "onednn" (set_kernel)
+        self.kernel = ""                # the verifier's matmuls: "plain", "onednn" or "ONE/MANY" (set_kernel)
+        self._packed = None             # the oneDNN-prepacked copy, when a pass shape uses it
         self.set_kernel(os.environ.get("SSD_KERNEL", "auto"))
 
     def set_kernel(self, kernel: str = "auto") -> None:
         """The matmuls of the verifier's own forward (and of drafts that read the fp32 weights).
 
         "plain": F.linear on the weights as loaded. "onednn": the same fp32 weights prepacked once into
-        oneDNN's blocked layout (a second copy, +4 bytes per parameter); on CPUs it is ~1.4× faster for
-        one token and ~1.9× for a 5-token verify, because PyTorch's default fp32 GEMM handles a few rows
-        badly. Same weights, same fp32 arithmetic up to summation order (≈1e-4 on the logits, as
-        between a 1-row and a 5-row pass already). "auto": onednn on a CPU in fp32, else plain.
+        oneDNN's blocked layout (a second copy, +4 bytes per parameter), which handles a few rows better
+        than PyTorch's default fp32 GEMM (~1.9× for a 5-token verify on one Xeon) but may lose on one
+        row. Same weights, same fp32 arithmetic up to summation order (≈1e-4 on the logits, as between
+        a 1-row and a 5-row pass already). "ONE/MANY", e.g. "plain/onednn": one kernel for one-row
+        passes (plain decoding, fp32 draft steps), another for several rows (verification, prefill).
+        "auto": on a CPU in fp32, the fastest of each on this machine, measured once and cached
+        (machine.fastest_kernels); elsewhere plain.
         """
-        if kernel not in ("auto", "plain", "onednn"):
-            raise ValueError(f"kernel must be auto, plain or onednn, got {kernel!r}")
         usable = onednn_available(self.device, self.dtype)
-        if kernel == "onednn" and not usable:
+        if kernel == "auto":
+            one, many = fastest_kernels(self) if usable else ("plain", "plain")
+        else:
+            one, _, many = kernel.partition("/")
+            many = many or one
+            if one not in KERNELS or many not in KERNELS:
+                raise ValueError(f"kernel must be auto, plain or onednn (or ONE/MANY, e.g. plain/onednn), "
+                                 f"got {kernel!r}")
+        if "onednn" in (one, many) and not usable:
             raise ValueError(f"oneDNN prepacked matmuls need fp32 weights on a CPU with mkldnn (here: "
                              f"{self.dtype} on {self.device})")
-        if kernel == "plain" or not usable:
-            self.kernel, self._target = "plain", (self.layers, F.linear, self.lm_head)
-        elif self.kernel != "onednn":
-            self._target = ([L.packed() for L in self.layers], onednn_linear, onednn_pack(self.lm_head))
-            self.kernel = "onednn"
+        self.use_kernels(one, many)
+
+    def use_kernels(self, one: str, many: str) -> None:
+        """Run one-row passes on kernel `one` and several-row passes on `many` (KERNELS; no checks)."""
+        def target(kernel):
+            if kernel == "plain":
+                return self.layers, F.linear, self.lm_head
+            if self._packed is None:
+                self._packed = ([L.packed() for L in self.layers], onednn_linear, onednn_pack(self.lm_head))
+            return self._packed
+        self._targets = (target(one), target(many))
+        if "onednn" not in (one, many):
+            self._packed = None               # the prepacked copy costs 4 bytes a parameter: drop it
+        self.kernel = one if one == many else f"{one}/{many}"
 
     def weights_changed(self) -> None:
         """Call after editing the weights in place: the packed copy and the drafts are made again."""
-        kernel, self.kernel = self.kernel, ""
+        self._packed = None
         self.drafts.clear()
-        self.set_kernel(kernel)
+        self.set_kernel(self.kernel)
 
     def head_logits(self, x):
         """The verifier's lm_head on final-norm hidden states (T, D) → (T, vocab)."""
-        return self._target[1](x, self._target[2])
+        _, lin, head = self._targets[x.shape[0] > 1]
+        return lin(x, head)
 
     @property
     def hf_model(self):
@@ -193,9 +214,9 @@ class Backbone:
         collect: if a list is given, (layer, kind, h_before, h_after) for every sublayer run.
         draft: a `draft.DraftWeights` to read instead of the fp32 weights (draft passes only).
         """
-        layers, lin = self._target[:2] if draft is None else (draft.layers, draft.linear)
         if not torch.is_tensor(ids):
             ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        layers, lin = self._targets[ids.shape[0] > 1][:2] if draft is None else (draft.layers, draft.linear)
         p0, end = cache.length, cache.length + ids.shape[0]
         if end > cache.max_len:
             raise ValueError(f"KV cache full: {end} > {cache.max_len} positions")

