@@ -2,6 +2,7 @@
 
 The handlers (viz.handlers, viz.walk_handlers) return named outputs; app.py only adapts them to Gradio."""
 import json
+import shutil
 
 import gradio as gr
 import pytest
@@ -392,3 +393,27 @@ def test_the_layout_has_every_part(studio):
     labels = {c.get("props", {}).get("label") for c in demo.config["components"]}
     assert {"Generate", "Step through", "Why (not) faster?", "Domains & layer sets", "Benchmark",
             "About"} <= labels
+
+
+def test_a_latency_model_from_another_cpu_is_re_measured_at_start(tiny, tiny_calibration, tmp_path):
+    """The app plans γ, KnapSpec and auto with costs of the machine that runs, not another's."""
+    import dataclasses
+    from ssd_core.engine.machine import cpu_info
+    from ssd_core.calibration import load as load_cal
+    folder = tmp_path / "cal"
+    shutil.copytree(tiny_calibration.folder, folder)
+    cal = load_cal(folder, tiny)
+    assert cal.latency.stale_for(tiny) is None
+    assert startup.refresh_latency(_StudioStub(tiny), cal) is None and not cal.latency.machine.get("at_start")
+    elsewhere = {**cal.latency.machine, "cpu": {**cpu_info(), "model": "AMD EPYC 7B13"}}
+    cal.latency = dataclasses.replace(cal.latency, machine=elsewhere)
+    stub = _StudioStub(tiny)
+    why = startup.refresh_latency(stub, cal)
+    assert "AMD EPYC 7B13" in why and cal.latency.stale_for(tiny) is None
+    assert cal.latency.machine["at_start"] and "re-measured at this app's start" in cal.latency.device_words
+    assert stub.timings["latency_s"] >= 0
+
+
+class _StudioStub:
+    def __init__(self, backbone):
+        self.backbone, self.timings = backbone, {}

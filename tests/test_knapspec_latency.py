@@ -205,3 +205,21 @@ def test_knapspec_is_lossless_and_reports_its_decisions(tiny):
     forecasts = [s.forecast for s in g.steps if s.forecast is not None]     # one per re-optimisation
     assert len(forecasts) == len(notes) and forecasts[0].skip == g.steps[0].skip
     assert forecasts[0].context_len == g.steps[0].context_len and 0 < forecasts[0].acceptance <= 1
+
+
+# --- the machine the costs describe (issue #33, item 3) ----------------------------------------------
+def test_a_profile_knows_the_cpu_and_kernel_it_was_measured_with(tiny):
+    from ssd_core.calibration.latency import profile
+    from ssd_core.engine.machine import cpu_info
+    lat = profile(tiny, contexts=(16,), verify_ks=(1, 2), repeats=1, progress=False, drafts=())
+    assert lat.machine["cpu"] == cpu_info() and lat.machine["kernel"] == tiny.kernel
+    assert lat.stale_for(tiny) is None
+    other_cpu = {**lat.machine, "cpu": {**cpu_info(), "model": "AMD EPYC 7B13", "flags": ["avx2", "fma"]}}
+    why = LatencyModel.from_dict({**lat.to_dict(), "machine": other_cpu}).stale_for(tiny)
+    assert "AMD EPYC 7B13 (avx2, fma" in why and "running on" in why
+    older = {k: v for k, v in lat.machine.items() if k != "cpu"}      # calibrations made before the record
+    assert "unrecorded CPU" in LatencyModel.from_dict({**lat.to_dict(), "machine": older}).stale_for(tiny)
+    kernel = {**lat.machine, "kernel": "onednn" if tiny.kernel != "onednn" else "plain"}
+    assert "verifier kernel" in LatencyModel.from_dict({**lat.to_dict(), "machine": kernel}).stale_for(tiny)
+    gpu = LatencyModel.from_dict({**lat.to_dict(), "device": "cuda: NVIDIA H100"})
+    assert gpu.stale_for(tiny).startswith("profiled on cuda: NVIDIA H100")

@@ -120,17 +120,19 @@ class CalibrationSettings:
 
 
 def reprofile(folder: Path, model: str | None = None, progress: bool = True,
-              device: str | torch.device = "auto") -> cal_io.Calibration:
-    """Re-measure only the latency model (e.g. on a quiet machine, or on a GPU) and rewrite the calibration."""
+              device: str | torch.device = "auto", latency_only: bool = False) -> cal_io.Calibration:
+    """Re-measure the latency model (e.g. on a quiet machine, another CPU, or a GPU) and, unless
+    latency_only, the draft calibration (small head, acceptance per draft kind); rewrite the calibration."""
     bb = load_backbone(model, threads=torch.get_num_threads(), device=device)
     cal = cal_io.load(folder, bb)
-    t = time.perf_counter()
-    prompts = load_prompts()
-    head = head_for_domains(bb, prompts, progress=progress)
-    data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"])
-    cal.drafts = {"head": head, "acceptance": draft_acceptance(
-        bb, {**cal.domain_sets, "static": cal.static}, data, progress=progress)}
-    cal.meta["timings"]["drafts_s"] = round(time.perf_counter() - t, 1)
+    if not latency_only:
+        t = time.perf_counter()
+        prompts = load_prompts()
+        head = head_for_domains(bb, prompts, progress=progress)
+        data = held_out_data(bb, prompts, max_prompt_tokens=cal.meta["settings"]["max_prompt_tokens"])
+        cal.drafts = {"head": head, "acceptance": draft_acceptance(
+            bb, {**cal.domain_sets, "static": cal.static}, data, progress=progress)}
+        cal.meta["timings"]["drafts_s"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
     cal.latency = profile(bb, progress=progress)
     gamma = cal.meta["settings"]["gamma"]
@@ -138,6 +140,7 @@ def reprofile(folder: Path, model: str | None = None, progress: bool = True,
     cal.meta["latency_fit"] = fit_report(cal.latency)
     cal.meta["machine"]["threads"] = torch.get_num_threads()
     cal.meta["machine"]["device"] = cal.latency.device
+    cal.meta["machine"]["cpu"] = cal.latency.machine["cpu"]
     cal.meta["predicted_speedup"] = predicted_speedups(cal.latency, cal.domain_sets, cal.static,
                                                        cal.matchness, gamma, cal.drafts)
     cal.meta.pop("files", None)
@@ -248,7 +251,8 @@ def calibrate(model: str | None, out: Path, settings: CalibrationSettings | None
         "domains": list(prompts), "domains_hash": domains_hash(s.domain_dir),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__, "device": latency.device},
+                    "threads": torch.get_num_threads(), "torch": torch.__version__, "device": latency.device,
+                    "cpu": latency.machine.get("cpu")},
         "settings": s.record(bb.n_layers),
         "check": check,
         "searched_sets": {d: skip.to_dict() for d, skip in searched.items()},
@@ -315,6 +319,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reprofile", action="store_true",
                     help="only re-measure the latency model and the draft calibration (small head, "
                          "acceptance per draft kind) of an existing calibration")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="with --reprofile: re-measure only the latency model (the draft head and "
+                         "acceptance do not depend on the machine)")
     ap.add_argument("--rebuild-router", action="store_true",
                     help="only re-embed the anchors of an existing calibration with the current prompt "
                          "embedding and rebuild its router, routing report and UMAP (docs/routing.md)")
@@ -342,7 +349,7 @@ def main(argv=None):
         print(json.dumps({"out": str(out), "embedding": cal.embedding, "routing": cal.routing}, indent=1))
         return
     if args.reprofile:
-        cal = reprofile(out, args.model, device=args.device)
+        cal = reprofile(out, args.model, device=args.device, latency_only=args.latency_only)
         print(json.dumps({"out": str(out), "latency_fit": cal.meta["latency_fit"],
                           "predicted_speedup": cal.meta["predicted_speedup"]}, indent=1))
         return

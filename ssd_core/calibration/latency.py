@@ -16,7 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine.backbone import EMPTY, Backbone
-from ..engine.device import device_label
+from ..engine.device import device_label, same_device
+from ..engine.machine import cpu_info, cpu_words, same_cpu
 from ..engine.skipset import SkipSet
 
 
@@ -81,9 +82,10 @@ class LatencyModel:
     def device_words(self) -> str:
         """The profiled device in words, e.g. "cpu (2 threads)" (older profiles: threads from `machine`)."""
         threads = self.machine.get("threads")
+        words = self.device
         if self.device == "cpu" and threads:
-            return f"cpu ({threads} thread{'' if threads == 1 else 's'})"
-        return self.device
+            words = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
+        return words + (", re-measured at this app's start" if self.machine.get("at_start") else "")
 
     # --- costs -------------------------------------------------------------------------------
     def attn_time(self, context_len: int) -> float:
@@ -114,6 +116,21 @@ class LatencyModel:
     def knows(self, kind: str) -> bool:
         """Whether draft costs of this kind were profiled (older calibrations only have fp32)."""
         return kind == "fp32" or kind in self.drafts
+
+    def stale_for(self, backbone) -> str | None:
+        """Why these costs do not describe `backbone` on this machine (None when they do): another device,
+        another CPU or thread count, or another verifier kernel than the one profiled. Costs measured on
+        one CPU rank drafts wrongly on another (kernel rankings flip between AVX2 and AVX-512 machines)."""
+        here = device_label(backbone.device)
+        if not same_device(self.device, here):
+            return f"profiled on {self.device_words}, running on {here}"
+        if backbone.device.type == "cpu":
+            cpu = self.machine.get("cpu")
+            if not same_cpu(cpu, cpu_info()):
+                return f"profiled on {cpu_words(cpu)}, running on {cpu_words(cpu_info())}"
+        if self.machine.get("kernel", backbone.kernel) != backbone.kernel:
+            return f"profiled with the {self.machine['kernel']} verifier kernel, running {backbone.kernel}"
+        return None
 
     def verify_cost(self, k: int) -> float:
         """v: a verification pass over k tokens relative to one full step (interpolated)."""
@@ -267,7 +284,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     for k in sorted(verify):
         running = verify[k] = max(verify[k], running)
     machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "verify_context": ref, "kernel": bb.kernel}
+               "torch": torch.__version__, "verify_context": ref, "kernel": bb.kernel, "cpu": cpu_info()}
     points = full.pop("points")
     return LatencyModel(n_layers=bb.n_layers, verify=verify, measured=points, machine=machine,
                         drafts=kinds, device=device_label(bb.device), **full)
