@@ -176,6 +176,7 @@ def build(studio: Studio) -> gr.Blocks:
                         with gr.Row(elem_id="buttons-row"):
                             gen_btn = gr.Button("Generate", variant="primary", elem_id="generate-btn", min_width=80)
                             race_btn = gr.Button("Race vs AR", elem_id="race-btn", min_width=80)
+                            race_static_btn = gr.Button("Race vs static", elem_id="race-static-btn", min_width=80)
                             stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-btn", min_width=60, scale=0)
                         race_view = gr.HTML(vstats.race_html(None), elem_id="race")
                         trace_dl = gr.HTML(vs.trace_download(studio, vs.Session()), elem_id="trace-download")
@@ -252,6 +253,8 @@ def build(studio: Studio) -> gr.Blocks:
                                 **model_lane)
         race_evt = race_btn.click(wired(h.race, gen_names, studio), gen_inputs, gen_outputs, api_name="race",
                                   **model_lane)
+        race_static_evt = race_static_btn.click(wired(h.race_static, gen_names, studio), gen_inputs, gen_outputs,
+                                                api_name="race_static", **model_lane)
         try_evts = [btn.click(wired(h.pick_example, ("session", "prompt", "oracle_domain"), studio, domain=d),
                               [session], [session, prompt, oracle_domain], queue=False, show_progress="hidden",
                               api_visibility="private")
@@ -278,7 +281,7 @@ def build(studio: Studio) -> gr.Blocks:
         auto_evt = w_auto.click(wired(wh.walk_auto, walk_names, studio), [session], walk_out, concurrency_limit=8,
                                 concurrency_id="walk", show_progress="hidden", api_name="walk_auto")
         stop_btn.click(wired(h.stop, ("session", "tokens", "stats"), studio), [session], [session, tokens, stats],
-                       cancels=[gen_evt, sub_evt, race_evt, replay_evt, *try_evts], queue=False, api_name="stop")
+                       cancels=[gen_evt, sub_evt, race_evt, race_static_evt, replay_evt, *try_evts], queue=False, api_name="stop")
         w_stop.click(wired(wh.stop_walk, ["session"]), [session], [session], cancels=[auto_evt], queue=False,
                      api_visibility="private")
         for ctl in (wi_gamma, wi_verify):

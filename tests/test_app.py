@@ -243,6 +243,40 @@ def test_race_measures_both_and_checks_losslessness(studio):
     assert sampled.identical is None                    # sampling: lossless is about distributions
 
 
+def test_race_vs_static_measures_the_routed_draft_against_the_static_one(studio):
+    """Race vs static: KNN-SSD's routed draft, then the static draft on the same prompt: both τ, both sets,
+    and the sentence that says when routing changed nothing."""
+    outs = run(handlers.race_static, studio, "static set")        # static vs static makes no race: KNN runs
+    race = outs[-1]["session"].race
+    cal = studio.calibration
+    assert outs[-1]["session"].run.strategy == "knn"
+    assert race.against == "static draft" and race.identical is True and race.tokens == race.ar_tokens
+    assert race.tau == pytest.approx(outs[-1]["session"].run.stats.tau) and race.against_tau > 0
+    assert race.sets[1] == cal.static.words()
+    panel = column(outs, "race")[-1]
+    assert "static draft" in panel and f"τ {race.against_tau:.2f}" in panel and "✓ identical" in panel
+    routed = outs[-1]["session"].run.skip
+    assert race.same_draft == routed.same_draft(cal.static)
+    assert ("Same draft as static" in panel) == race.same_draft
+    assert ("Routing's own gain" in panel) != race.same_draft
+    route = column(outs, "route")[-1]
+    assert ("same draft as static" in route) == race.same_draft
+
+
+def test_same_draft_and_the_route_line(tiny_calibration):
+    from ssd_core.engine.skipset import SkipSet
+    from viz.domain_map import route_html
+    a = SkipSet(frozenset({1}), frozenset({2}), "qa")
+    assert a.same_draft(a.with_name("static")) and not a.same_draft(None)
+    assert not a.same_draft(SkipSet(frozenset({1}), frozenset({3}), "static"))
+    assert not a.same_draft(SkipSet(frozenset({1}), frozenset({2}), "static", channels="static", keep=0.5))
+    assert a.words() == "skips attention 1 · MLP 2"
+    route = {"domain": "qa", "similarity": 0.8, "neighbours": [{"domain": "qa", "similarity": 0.8, "text": "x"}],
+             "votes": {"qa": 1.0}}
+    assert "same draft as static" in route_html(route, same_as_static=True)
+    assert "same draft as static" not in route_html(route)
+
+
 def test_stop_ends_the_decode_at_the_next_step(studio):
     gen = handlers.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
     first = next(gen)

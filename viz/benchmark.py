@@ -98,14 +98,19 @@ def core_html(core: dict | None) -> str:
         return ""
     tps = core.get("tokens_per_s", {})
     bw = core.get("bandwidth_gb_s", {})
-    names = {"generate": "transformers model.generate", "core_ar": "ssd_core autoregressive",
-             "ssd": "ssd_core self-speculative (example set)"}
+    names = {"generate": "transformers model.generate (short prompt, EOS off)",
+             "core_ar": "ssd_core autoregressive (short prompt, EOS off)",
+             "ssd": "ssd_core, the app's decoding (held-out prompts, EOS on)"}
     rows = "".join(f"<tr><th>{escape(names.get(k, k))}</th><td>{_num(v, '{:.1f}')}</td>"
                    f"<td>{_num(bw.get(k), '{:.1f}', ' GB/s') if k in bw else '–'}</td></tr>" for k, v in tps.items())
+    held = core.get("heldout") or {}
     facts = (f"core AR vs generate: {_num(core.get('core_ar_vs_generate'), '{:.2f}', '×')} · "
-             f"SSD vs core AR: {_num(core.get('ssd_vs_core_ar'), '{:.2f}', '×')} · τ {_num(core.get('ssd_tau'))}"
+             f"SSD vs core AR: {_num(core.get('ssd_vs_core_ar'), '{:.2f}', '×')}"
+             + (f" (core AR on the same held-out prompts: {_num(held.get('core_ar'), '{:.1f}')} tok/s)" if held else "")
+             + f" · τ {_num(core.get('ssd_tau'))}"
              f" · α {_num(core.get('ssd_alpha'))} · {core.get('threads', '?')} threads, "
-             f"{core.get('max_new_tokens', '?')} new tokens")
+             f"{core.get('max_new_tokens', '?')} new tokens, decode only (prefill excluded)"
+             + (f", verifier kernel {core['kernel']}" if core.get("kernel") else ""))
     return (f'<h4>Engine speed ({escape(str(core.get("model", "")))})</h4><table class="bench-table">'
             f"<tr><th>decoder</th><th>tokens/s</th><th>weight bandwidth</th></tr>{rows}</table>"
             f'<p class="muted">{escape(facts)}</p>')

@@ -157,8 +157,13 @@ def label_ink(background: str) -> str:
     return max(("#ffffff", PROMPT_COLOR), key=lambda ink: contrast_ratio(ink, background))
 
 
-def route_html(route: dict | None, strategy: str = "knn", used: bool = True) -> str:
-    """The routing decision in words; used=False: what KNN would have chosen (for comparison)."""
+SAME_AS_STATIC = ("same draft as static: this domain's own set did not beat the static set at calibration, "
+                  "so routing changes nothing here (Race vs static shows it)")
+
+
+def route_html(route: dict | None, strategy: str = "knn", used: bool = True, same_as_static: bool = False) -> str:
+    """The routing decision in words; used=False: what KNN would have chosen (for comparison);
+    same_as_static: the routed domain drafts with the static set (its own did not beat it)."""
     if route is None:
         words = {"static": "static set: the same skip set for every prompt (no routing)",
                  "knapspec": "KnapSpec: no routing; a knapsack picks sublayers from live costs",
@@ -177,7 +182,8 @@ def route_html(route: dict | None, strategy: str = "knn", used: bool = True) -> 
     head = (f'<span class="dom-dot" style="background:{domain_color(d)}"></span>{lead} '
             f"<b>{escape(d)}</b> · {agree}/{len(route['neighbours'])} votes · "
             f"nearest similarity {route['similarity']:.2f}")
-    return f'<div class="route known">{head}{aside}{_votes(route)}{_why(route)}</div>'
+    same = f'<div class="route-same">{escape(SAME_AS_STATIC)}</div>' if same_as_static else ""
+    return f'<div class="route known">{head}{aside}{same}{_votes(route)}{_why(route)}</div>'
 
 
 def _why(route: dict, width: int = 90) -> str:

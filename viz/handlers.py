@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 from ssd_core.engine.decode import DecodeConfig, Start, decode, encode_for
-from ssd_core.engine.generate import generate as core_generate
+from ssd_core.engine.generate import generate as core_generate, summarize
 from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
@@ -150,7 +150,8 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
             parts.append(vtok.tokens_html(vtok.start_tokens(ev.first_token, token_str, eos)))
             shortened = note + ("The prompt was shortened to fit. " if ev.truncated else "")
             yield dict(tokens=tokens_view(studio, parts, f"{verb}…"),
-                       stats=stats_view(run, None, shortened), route=route_view(run))
+                       stats=stats_view(run, None, shortened),
+                       route=route_view(run, studio.calibration.static if studio.calibration else None))
             figures_due = True
             continue
         run.steps.append(ev)
@@ -206,11 +207,20 @@ def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma
                           temperature, top_p, k, draft, seed)
 
 
+def race_static(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+                temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
+    """Race vs static: the routed draft (KNN-SSD, or the chosen routing strategy) then the static draft on
+    the same prompt and settings: what routing itself gains (τ, tokens/s, both sets)."""
+    yield from _speculate(studio, True, session, prompt, strategy_label, domain, max_new, gamma, threshold,
+                          temperature, top_p, k, draft, seed, against="static")
+
+
 def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, domain, max_new, gamma,
-               threshold, temperature, top_p, k, draft, seed=None):
+               threshold, temperature, top_p, k, draft, seed=None, against: str = "ar"):
     """Generate's and Race's shared body: check the request, stream the strategy; then the cost panel
-    (Generate) or the autoregressive lap and the lossless check (Race). A decode that raises becomes a
-    message in the token panel; the server keeps serving."""
+    (Generate) or the second lap and the lossless check (Race; against "ar": plain decoding, "static":
+    the static draft). A decode that raises becomes a message in the token panel; the server keeps
+    serving."""
     session = get_session(session)
     err, got = _request(studio, racing, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed)
     if err:
@@ -220,8 +230,12 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
     session.race = None
     reset = {"trace_file": NO_TRACE}           # the last run's download link goes with the first update
     try:
+        if racing and against == "static" and studio.calibration is None:
+            yield dict(session=session, race=vstats.race_html(
+                None, running="Race vs static needs a calibration (it has the static draft)."), **reset)
+            return
         if racing:
-            if strategy == "ar":
+            if strategy == "ar" or (against == "static" and strategy == "static"):
                 strategy = "knn" if studio.calibration is not None else "ar"
             yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"),
                        **reset)
@@ -235,7 +249,7 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
                        stats=stats_view(session.run, session.race),
                        trace_file=trace_download(studio, session))
             return
-        yield from _ar_lap(studio, session, prompt, cfg)
+        yield from _second_lap(studio, session, prompt, cfg, against)
     except Exception as exc:        # noqa: BLE001 - a visitor sees a sentence, the log keeps the traceback
         log.exception("decode failed")
         msg = model_failed(exc)
@@ -245,36 +259,51 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
         yield out
 
 
-def _ar_lap(studio: Studio, session: Session, prompt: str, cfg):
-    """The race's second lap: autoregressive on the same prompt, then speeds and the lossless check."""
+def _second_lap(studio: Studio, session: Session, prompt: str, cfg, against: str = "ar"):
+    """The race's second lap on the same prompt: autoregressive ("ar") or the static draft ("static");
+    then both speeds and the lossless check."""
     run = session.run
+    name = "autoregressive" if against == "ar" else "static draft"
     if session.stop:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
         return
-    yield dict(session=session, race=vstats.race_html(None, running="2/2 · autoregressive running…"))
-    ar_ids, ar_time = [], 0.0
-    for ev, dt in timed(decode(studio.backbone, clean_prompt(prompt).strip(), Autoregressive(), cfg,
+    yield dict(session=session, race=vstats.race_html(None, running=f"2/2 · {name} running…"))
+    strategy = Autoregressive() if against == "ar" else make_strategy(studio, "static", cfg.gamma, 5, None, cfg.draft)
+    ids2, time2, start2, steps2 = [], 0.0, None, []
+    for ev, dt in timed(decode(studio.backbone, clean_prompt(prompt).strip(), strategy, cfg,
                                should_stop=lambda: session.stop)):
-        ar_time += dt
-        ar_ids.extend([ev.first_token] if isinstance(ev, Start) else ev.committed)
-        if len(ar_ids) % 16 == 0:
+        time2 += dt
+        if isinstance(ev, Start):
+            start2 = ev
+            ids2.append(ev.first_token)
+        else:
+            steps2.append(ev)
+            ids2.extend(ev.committed)
+        if len(ids2) % 16 == 0:
             yield dict(session=session, race=vstats.race_html(
-                None, running=f"2/2 · autoregressive: {len(ar_ids)} of ≤ {cfg.max_new_tokens} tokens"))
+                None, running=f"2/2 · {name}: {len(ids2)} of ≤ {cfg.max_new_tokens} tokens"))
     if session.stop:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"),
                    trace_file=trace_download(studio, session))
         return
     ids = run.token_ids
-    same = tuple(ar_ids) == ids
-    where = None if same else first_difference(ar_ids, ids)
+    same = tuple(ids2) == ids
+    where = None if same else first_difference(ids2, ids)
     gap = None
-    if where is not None and cfg.greedy and where < min(len(ar_ids), len(ids)):   # how close was that choice?
+    if where is not None and cfg.greedy and where < min(len(ids2), len(ids)):   # how close was that choice?
         prompt_ids = encode_for(studio.backbone, clean_prompt(prompt).strip(), cfg).ids
-        gap = logit_gap(studio.backbone, prompt_ids, ar_ids[:where]).gap
+        gap = logit_gap(studio.backbone, prompt_ids, ids2[:where]).gap
+    other = {}
+    if against == "static":
+        st2 = summarize(start2, steps2, time2)
+        cal = studio.calibration
+        other = dict(against="static draft", tau=run.stats.tau, against_tau=st2.tau,
+                     sets=(run.skip.words() if run.skip else "no draft", cal.static.words()),
+                     same_draft=run.skip is not None and run.skip.same_draft(cal.static))
     session.race = vstats.RaceResult(
-        strategy=LABELS[run.strategy], ar_tokens_per_s=len(ar_ids) / ar_time if ar_time else 0.0,
-        tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ar_ids), tokens=len(ids),
-        identical=same if cfg.greedy else None, first_difference=where, tie_gap=gap)
+        strategy=LABELS[run.strategy], ar_tokens_per_s=len(ids2) / time2 if time2 else 0.0,
+        tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ids2), tokens=len(ids),
+        identical=same if cfg.greedy else None, first_difference=where, tie_gap=gap, **other)
     cost, what_if_fig = cost_view(studio, run, session.race)
     yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
                cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))

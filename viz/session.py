@@ -176,12 +176,14 @@ def map_fig(studio: Studio, run: Run | None, whole: bool = False):
                            whole=whole)
 
 
-def route_view(run: Run | None) -> str:
+def route_view(run: Run | None, static=None) -> str:
+    """The route line; static: the calibration's static set, to say when the routed draft is that set."""
     if run is None:
         return vmap.route_html(None)
     if run.route is None:
         return vmap.route_html(None, run.strategy)
-    return vmap.route_html(run.route, run.strategy, used=run.route_used)
+    same = run.route_used and static is not None and run.skip is not None and run.skip.same_draft(static)
+    return vmap.route_html(run.route, run.strategy, used=run.route_used, same_as_static=same)
 
 
 def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):

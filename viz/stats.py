@@ -22,6 +22,11 @@ class RaceResult:
     identical: bool | None        # None: sampling, where lossless means "same distribution"
     first_difference: int | None = None
     tie_gap: float | None = None  # the full model's top-2 logit gap where the texts part (greedy only)
+    against: str = "autoregressive"   # the second lap: plain decoding, or the "static draft" (Race vs static)
+    tau: float | None = None          # Race vs static: τ of both laps, the sets they drafted with,
+    against_tau: float | None = None  # and whether the routed draft is the static one
+    sets: tuple[str, str] | None = None
+    same_draft: bool | None = None
 
     @property
     def speedup(self) -> float:
@@ -120,19 +125,37 @@ def difference_words(position: int | None, gap: float | None) -> str:
                                            else "")
 
 
+def routing_gain_words(race: RaceResult) -> str:
+    """Race vs static in one sentence: what the routed draft gained over the static one, or why nothing."""
+    if race.same_draft:
+        return ("Same draft as static: this domain's own set did not beat the static set at calibration, so "
+                "routing sends it to the static set; any difference in speed is timing noise.")
+    t = (race.tau / race.against_tau) if race.tau and race.against_tau else None
+    tau = f"τ {t:.2f}× the static draft's" if t else "τ not comparable"
+    return (f"Routing's own gain on this prompt: {tau}, {race.speedup:.2f}× its tokens/s "
+            "(one prompt: a benchmark averages many).")
+
+
 def race_html(race: RaceResult | None, *, running: str = "") -> str:
     """The race panel: both speeds as bars, the measured speedup, the lossless check."""
     if race is None:
-        body = escape(running) if running else ("Race runs the chosen strategy and plain autoregressive "
-                                               "decoding on the same prompt, one after the other.")
+        body = escape(running) if running else ("Race vs AR runs the chosen strategy and plain autoregressive "
+                                               "decoding on the same prompt, one after the other; Race vs "
+                                               "static runs the routed draft against the static one.")
         return f'<div class="race idle">{body}</div>'
     fast = max(race.tokens_per_s, race.ar_tokens_per_s, 1e-9)
     rows = []
-    for label, tps, n, cls in ((race.strategy, race.tokens_per_s, race.tokens, "challenger"),
-                               ("autoregressive", race.ar_tokens_per_s, race.ar_tokens, "ar")):
+    static = race.against_tau is not None
+    for label, tps, n, cls, tau, sets in (
+            (race.strategy, race.tokens_per_s, race.tokens, "challenger", race.tau, (race.sets or ("",))[0]),
+            (race.against, race.ar_tokens_per_s, race.ar_tokens, "ar", race.against_tau, (race.sets or ("", ""))[1])):
+        extra = f" · τ {tau:.2f}" if static and tau is not None else ""
         rows.append(f'<div class="race-row {cls}"><span class="race-label">{escape(label)}</span>'
                     f'<span class="race-bar"><span style="width:{100 * tps / fast:.1f}%"></span></span>'
-                    f'<span class="race-num">{tps:.1f} tok/s · {n} tokens</span></div>')
+                    f'<span class="race-num">{tps:.1f} tok/s · {n} tokens{extra}</span></div>'
+                    + (f'<div class="race-set">{escape(sets)}</div>' if static and sets else ""))
+    if static:
+        rows.append(f'<div class="race-note">{escape(routing_gain_words(race))}</div>')
     if race.identical is None:
         verdict = "sampling mode: lossless means the same distribution, not the same text"
     elif race.identical:

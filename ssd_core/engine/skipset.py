@@ -76,6 +76,19 @@ class SkipSet:
         mlp_skipped = len(self.mlp) + (1.0 - self.keep) * (n_layers - len(self.mlp))
         return (len(self.attn) * attn_params + mlp_skipped * mlp_params) / total
 
+    def same_draft(self, other: "SkipSet | None") -> bool:
+        """Whether drafting with `other` is drafting with this set: same sublayers, same MLP channels
+        (names aside; channel sets under different rankings count as different)."""
+        return other is not None and (self.attn, self.mlp, self.channel_key) == (other.attn, other.mlp,
+                                                                                 other.channel_key)
+
+    def words(self) -> str:
+        """The set in a few words: "skips attention 13 · MLP 24" (+ "· MLPs keep 50% of channels")."""
+        parts = [f"attention {', '.join(map(str, sorted(self.attn)))}" if self.attn else "",
+                 f"MLP {', '.join(map(str, sorted(self.mlp)))}" if self.mlp else ""]
+        text = "skips " + " · ".join(p for p in parts if p) if self.attn or self.mlp else "skips nothing"
+        return text + (f" · MLPs keep {self.keep:.0%} of channels" if self.channels else "")
+
     def with_name(self, name: str) -> "SkipSet":
         return SkipSet(self.attn, self.mlp, name, self.channels, self.keep)
 

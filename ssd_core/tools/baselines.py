@@ -4,8 +4,12 @@
 
 1. What a CPU user would run instead: llama.cpp's `llama-bench` (token generation only, `-p 0 -n 128`)
    on the embedded SmolLM2 GGUF, in its native Q4_1 and re-quantised to F16 and F32 (the core's precision).
-2. The core's own plain decoding: `python -m ssd_core.tools.microbench --max-new-tokens 128`, whose
-   `core_ar` is the loop every speedup in this project is a ratio against.
+2. The core's own decoding: `python -m ssd_core.tools.microbench --max-new-tokens 128 --rounds 1`, whose
+   `core_ar` is the loop every speedup in this project is a ratio against and whose `ssd` is the app's
+   decoding on held-out prompts.
+
+The two alternate (`--pairs`, default 5: llama-bench of every precision, then one microbench round) and
+every figure is the median over pairs, so drift on a shared CPU hits both alike.
 
 llama.cpp is built once (~4 min on 2 cores) from the `llama-cpp-python` source package on PyPI (a registry
 download, the only network use) and cached under $SSD_BASELINE_CACHE or ~/.cache/ssd-baselines.
@@ -21,8 +25,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import statistics
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 LLAMA_CPP_PYTHON = "0.3.36"           # a source release whose vendored llama.cpp reads SmolLM2's GGUF
 PRECISIONS = ("Q4_1", "F16", "F32")   # Q4_1 is the embedded file itself; the others are re-quantised
@@ -98,11 +105,12 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, n: int, reps: int) -> 
             "build": row.get("build_commit", "")}
 
 
-def core_microbench(threads: int, n: int) -> dict:
-    """The core's own plain decoding, via the project's microbench (not modified, just run)."""
+def core_microbench(threads: int, n: int, keep: str | None = None) -> dict:
+    """The core's own decoding, via the project's microbench (not modified, just run); keep: also
+    write its JSON there (e.g. assets/bench/core.json, so both files come from one window)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "core.json"
-        subprocess.run([sys.executable, "-m", "ssd_core.tools.microbench", "--max-new-tokens", str(n),
+        out = Path(keep) if keep else Path(tmp) / "core.json"
+        subprocess.run([sys.executable, "-m", "ssd_core.tools.microbench", "--max-new-tokens", str(n), "--rounds", "1",
                         "--threads", str(threads), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
@@ -111,18 +119,41 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n", type=int, default=128, help="tokens generated per measurement")
-    ap.add_argument("--reps", type=int, default=5, help="llama-bench repetitions per precision")
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="interleaved pairs (llama-bench of every precision, then one microbench round); "
+                         "every figure is the median over pairs")
     ap.add_argument("--cache", default=os.environ.get("SSD_BASELINE_CACHE",
                                                       str(Path.home() / ".cache" / "ssd-baselines")))
     ap.add_argument("--out", default="assets/bench/baselines.json")
+    ap.add_argument("--core-out", default=None, help="also keep the microbench's own JSON here")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     bin_dir = build_llama_cpp(cache)
     files = model_files(bin_dir, cache, embedded_gguf())
     load_start, t0 = load_1min(), time.time()
-    llama = {p: llama_bench(bin_dir, f, args.threads, args.n, args.reps) for p, f in files.items()}
-    core = core_microbench(args.threads, args.n)
+    runs, cores = {p: [] for p in files}, []
+    for _ in tqdm(range(args.pairs), desc="llama.cpp / core pairs"):     # interleaved: drift hits both
+        for p, f in files.items():
+            runs[p].append(llama_bench(bin_dir, f, args.threads, args.n, 1)["tokens_per_s"])
+        cores.append(core_microbench(args.threads, args.n, None))
     load_end = load_1min()
+    med = statistics.median
+    llama = {p: {"tokens_per_s": med(v), "samples": v, "threads": args.threads, "n_gen": args.n} for p, v in runs.items()}
+    core = dict(cores[-1])
+    core["tokens_per_s"] = {k: med(c["tokens_per_s"][k] for c in cores) for k in cores[0]["tokens_per_s"]}
+    core["heldout"] = {k: med(c["heldout"][k] for c in cores) for k in cores[0]["heldout"]}
+    core["rounds"] = len(cores)
+    core["samples"] = {k: [c["tokens_per_s"][k] for c in cores] for k in core["tokens_per_s"]}
+    core["samples"]["heldout_core_ar"] = [c["heldout"]["core_ar"] for c in cores]
+    core["ssd_vs_core_ar"] = core["heldout"]["ssd_vs_core_ar"]          # median of each pair's own ratio
+    core["core_ar_vs_generate"] = round(med(c["core_ar_vs_generate"] for c in cores), 3)
+    gb = core["weights_gb_per_step"]
+    core["bandwidth_gb_s"] = {k: round(gb * core["tokens_per_s"][k], 1) for k in ("generate", "core_ar")}
+    core["statistic"] = "median over interleaved pairs"
+    core["note"] = (f"written by `python -m ssd_core.tools.baselines --core-out`: medians over its {len(cores)} "
+                    "interleaved pairs; ssd_tau, ssd_alpha and ssd_non_forward_share are the last pair's")
+    if args.core_out:
+        Path(args.core_out).write_text(json.dumps(core, indent=2) + "\n")
     res = {
         "cpu": cpu_model(), "threads": args.threads, "n_gen": args.n,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
@@ -131,11 +162,15 @@ def main(argv=None):
                       "note": "1-minute load average around the measurements; above ~0.5 on 2 cores "
                               "other work shared the CPU and the figures are low"},
         "llama_cpp": {"source": f"llama-cpp-python=={LLAMA_CPP_PYTHON} (vendored llama.cpp), llama-bench "
-                                f"-p 0 -n {args.n} -t {args.threads}", "tokens_per_s": llama},
+                                f"-p 0 -n {args.n} -t {args.threads} -r 1 per pair", "tokens_per_s": llama},
+        "pairs": args.pairs, "statistic": "median over interleaved pairs",
         "core": {"source": f"python -m ssd_core.tools.microbench --max-new-tokens {args.n}",
-                 "tokens_per_s": core["tokens_per_s"], "torch": core["torch"], "rounds": core["rounds"]},
+                 "tokens_per_s": core["tokens_per_s"], "torch": core["torch"], "rounds": core["rounds"],
+                 "kernel": core.get("kernel"), "heldout": core.get("heldout")},
         "core_ar_vs_llama_cpp": {p: round(core["tokens_per_s"]["core_ar"] / r["tokens_per_s"], 3)
                                  for p, r in llama.items()},
+        "ssd_vs_llama_cpp": {p: round(core["tokens_per_s"]["ssd"] / r["tokens_per_s"], 3)
+                             for p, r in llama.items() if "ssd" in core["tokens_per_s"]},
     }
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
