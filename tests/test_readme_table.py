@@ -57,3 +57,17 @@ def test_refreshing_rewrites_only_the_block_and_check_sees_staleness(tmp_path):
     assert rt.main(args + ["--check"]) == 0
     with pytest.raises(ValueError):
         rt.replace_block("no markers here", rt.render(tmp_path))
+
+
+def test_the_baseline_table_shows_the_apps_decoding_and_the_pairs_spread(tmp_path):
+    _bench(tmp_path, 1.25)
+    base = json.loads((tmp_path / "baselines.json").read_text())
+    base["pairs"] = 5
+    base["core"] = {"tokens_per_s": {"core_ar": 20.0, "ssd": 24.0},
+                    "heldout": {"core_ar": 21.0, "ssd": 24.0, "ssd_vs_core_ar": 1.14}}
+    base["llama_cpp"]["tokens_per_s"]["F32"] = {"tokens_per_s": 30.0, "samples": [28.0, 30.0, 31.5]}
+    (tmp_path / "baselines.json").write_text(json.dumps(base))
+    block = rt.render(tmp_path)
+    assert "median of 5 interleaved pairs" in block
+    assert "| core AR on the app's held-out prompts (EOS on) | 21.0 | – | 1.14× (paired) |" in block
+    assert "| llama.cpp F32 (28.0–31.5) | 30.0 | 0.67× | 0.80× |" in block

@@ -60,17 +60,31 @@ def headline_table(summary: dict, run: str) -> list[str]:
 
 def baseline_table(base: dict) -> list[str]:
     load = base.get("load_note", {})
-    core = base["core"]["tokens_per_s"]["core_ar"]
+    tps = base["core"]["tokens_per_s"]
+    core, ssd = tps["core_ar"], tps.get("ssd")
+    pairs = f", median of {base['pairs']} interleaved pairs" if base.get("pairs") else ""
     lines = [f"What a CPU user would run instead, [`assets/bench/baselines.json`](assets/bench/baselines.json) "
              f"(`python -m ssd_core.tools.baselines`): llama.cpp's `llama-bench` on the same GGUF and the "
-             f"core's plain decoding in one process window, {base['threads']} threads, {base['n_gen']} tokens, "
-             f"{base.get('cpu') or 'CPU not recorded'}, {base.get('date', '')}, 1-minute load "
+             f"core's decoding in one process window, {base['threads']} threads, {base['n_gen']} tokens, decode "
+             f"only{pairs}, {base.get('cpu') or 'CPU not recorded'}, {base.get('date', '')}, 1-minute load "
              f"{load.get('loadavg_1min_start', '?')} → {load.get('loadavg_1min_end', '?')} on "
-             f"{load.get('cores', '?')} cores.", "",
-             "| decoder | tokens/s | core AR ÷ it |", "|---|---|---|",
-             f"| core AR (`microbench`, same window) | {core:.1f} | 1.00× |"]
+             f"{load.get('cores', '?')} cores.", ""]
+    if ssd is None:
+        lines += ["| decoder | tokens/s | core AR ÷ it |", "|---|---|---|",
+                  f"| core AR (`microbench`, same window) | {core:.1f} | 1.00× |"]
+    else:
+        held = base["core"].get("heldout") or {}
+        lines += ["| decoder | tokens/s | core AR ÷ it | the app's decoding ÷ it |", "|---|---|---|---|",
+                  f"| core AR (`microbench`, short prompt, EOS off) | {core:.1f} | 1.00× | – |"]
+        if held.get("core_ar"):
+            lines.append(f"| core AR on the app's held-out prompts (EOS on) | {held['core_ar']:.1f} | – | "
+                         f"{held['ssd_vs_core_ar']:.2f}× (paired) |")
+        lines.append(f"| the app's decoding (`knn`, held-out prompts, EOS on) | {ssd:.1f} | – | 1.00× |")
     for prec, r in base["llama_cpp"]["tokens_per_s"].items():
-        lines.append(f"| llama.cpp {prec} (± {r['stddev']}) | {r['tokens_per_s']:.1f} | {_x(core / r['tokens_per_s'])} |")
+        spread = (f"{min(r['samples']):.1f}–{max(r['samples']):.1f}" if r.get("samples")
+                  else f"± {r.get('stddev', '?')}")
+        row = f"| llama.cpp {prec} ({spread}) | {r['tokens_per_s']:.1f} | {_x(core / r['tokens_per_s'])} |"
+        lines.append(row + (f" {_x(ssd / r['tokens_per_s'])} |" if ssd is not None else ""))
     return lines
 
 
