@@ -261,6 +261,8 @@ def test_race_vs_static_measures_the_routed_draft_against_the_static_one(studio)
     assert ("Routing's own gain" in panel) != race.same_draft
     route = column(outs, "route")[-1]
     assert ("same draft as static" in route) == race.same_draft
+    stats = column(outs, "stats")[-1]
+    assert "vs static" in stats and "vs AR" not in stats
 
 
 def test_same_draft_and_the_route_line(tiny_calibration):

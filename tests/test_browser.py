@@ -295,6 +295,20 @@ def test_race_and_step_through_in_the_browser(server, browser):
     page.screenshot(path=str(_shots() / "step_through.png"), full_page=True)
 
 
+def test_race_vs_static_in_the_browser(server, browser):
+    """Race vs static: the routed draft against the static draft, with both τ and routing's verdict."""
+    page = _open(browser, server["url"])
+    page.fill("#prompt textarea", OTHER)
+    page.wait_for_timeout(300)
+    page.click("#race-static-btn")
+    page.wait_for_function("document.querySelector('#race').innerText.includes('static draft') && "
+                           "document.querySelector('#race').innerText.includes('×')", timeout=240_000)
+    race = page.inner_text("#race")
+    assert "identical" in race and "τ" in race, race
+    assert "Same draft as static" in race or "Routing's own gain" in race, race
+    page.screenshot(path=str(_shots() / "race_static.png"), full_page=True)
+
+
 TOKENS_JS = """els => els.map(e => ({cls: e.className, text: e.innerText, tip: e.dataset.tip,
     color: getComputedStyle(e).color, background: getComputedStyle(e).backgroundColor}))"""
 

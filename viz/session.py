@@ -206,6 +206,7 @@ def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
     ctx = (run.start.prompt_len + stats.new_tokens // 2) if run is not None and run.start else 256
     b = lat.breakdown(skip, alpha, gamma, ctx, kind)
     measured_speedup = None
+    race = race if race is not None and race.against == "autoregressive" else None   # vs static: no AR time
     if race is not None and run is not None and race.strategy == LABELS.get(run.strategy):
         measured_speedup = race.speedup
     full_s = (1.0 / race.ar_tokens_per_s) if race is not None and race.ar_tokens_per_s else lat.step_time(
