@@ -31,20 +31,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..engine.machine import cpu_info
+
 LLAMA_CPP_PYTHON = "0.3.36"           # a source release whose vendored llama.cpp reads SmolLM2's GGUF
 PRECISIONS = ("Q4_1", "F16", "F32")   # Q4_1 is the embedded file itself; the others are re-quantised
-
-
-def cpu_model() -> str:
-    """The CPU's model name as lscpu prints it ('' where lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return ""
 
 
 def load_1min() -> float:
@@ -155,7 +145,7 @@ def main(argv=None):
     if args.core_out:
         Path(args.core_out).write_text(json.dumps(core, indent=2) + "\n")
     res = {
-        "cpu": cpu_model(), "threads": args.threads, "n_gen": args.n,
+        "cpu": cpu_info()["model"], "cpu_flags": cpu_info()["flags"], "threads": args.threads, "n_gen": args.n,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
         "seconds": round(time.time() - t0, 1),
         "load_note": {"loadavg_1min_start": load_start, "loadavg_1min_end": load_end, "cores": os.cpu_count(),
