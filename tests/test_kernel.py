@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy
-from ssd_core.engine import machine
-from ssd_core.engine.weights import onednn_available
+from ssd_core.engine import backbone as backbone_module, machine
+from ssd_core.engine.weights import LayerWeights, onednn_available
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet
@@ -86,6 +86,21 @@ def test_measure_kernels_times_both_kernels_for_each_shape():
     timing = machine.measure_kernels(bb, rows=(1, 3), repeats=2)
     assert set(timing) == {1, 3} and all(set(t) == set(machine.KERNELS) for t in timing.values())
     assert all(s > 0 for t in timing.values() for s in t.values())
+
+
+def test_measuring_packs_the_weights_once_and_puts_the_kernels_back(monkeypatch):
+    """Switching kernels between timed passes must not re-pack every weight each time (that cost ~5 s
+    of a cold start-up), and the backbone decodes on its own kernels afterwards."""
+    bb = tiny_backbone()
+    bb.set_kernel("plain")
+    packs = []
+    real = backbone_module.onednn_pack
+    monkeypatch.setattr(backbone_module, "onednn_pack", lambda w: packs.append(1) or real(w))
+    real_layer = LayerWeights.packed
+    monkeypatch.setattr(LayerWeights, "packed", lambda L: packs.append(1) or real_layer(L))
+    machine.measure_kernels(bb, rows=(1, 3), repeats=3)
+    assert len(packs) == 1 + len(bb.layers)           # the lm_head and each layer, once
+    assert bb.kernel == "plain" and bb._packed is None
 
 
 def test_onednn_needs_fp32_on_a_cpu():

@@ -145,8 +145,10 @@ class Backbone:
                              f"{self.dtype} on {self.device})")
         self.use_kernels(one, many)
 
-    def use_kernels(self, one: str, many: str) -> None:
-        """Run one-row passes on kernel `one` and several-row passes on `many` (KERNELS; no checks)."""
+    def use_kernels(self, one: str, many: str, keep_packed: bool = False) -> None:
+        """Run one-row passes on kernel `one` and several-row passes on `many` (KERNELS; no checks).
+        keep_packed: keep the prepacked copy even when neither kernel reads it (while switching back and
+        forth to measure them: packing all the weights takes ~0.3 s on two cores)."""
         def target(kernel):
             if kernel == "plain":
                 return self.layers, F.linear, self.lm_head
@@ -154,7 +156,7 @@ class Backbone:
                 self._packed = ([L.packed() for L in self.layers], onednn_linear, onednn_pack(self.lm_head))
             return self._packed
         self._targets = (target(one), target(many))
-        if "onednn" not in (one, many):
+        if "onednn" not in (one, many) and not keep_packed:
             self._packed = None               # the prepacked copy costs 4 bytes a parameter: drop it
         self.kernel = one if one == many else f"{one}/{many}"
 

@@ -90,18 +90,22 @@ def _read(path: Path) -> dict:
 def measure_kernels(backbone, rows=(1, 5), context: int = 64, repeats: int = 7) -> dict:
     """Seconds (median of `repeats`, kernels interleaved so drift hits both) of one forward of `rows`
     tokens at `context` under each kernel: {rows: {kernel: s}}."""
+    before = backbone.kernel
     cache = backbone.new_cache(context + max(rows) + 1)
     cache.k.fill_(0.0), cache.v.fill_(0.0)            # fault every page in before the clock
     times = {r: {k: [] for k in KERNELS} for r in rows}
     for i in range(repeats + 1):                      # the first round warms both up and is dropped
         for r in rows:
             for k in KERNELS:
-                backbone.use_kernels(k, k)
+                backbone.use_kernels(k, k, keep_packed=True)
                 cache.length = context
                 t = time.perf_counter()
                 backbone.forward(list(range(1, r + 1)), cache, logits="all" if r > 1 else "last")
                 if i:
                     times[r][k].append(time.perf_counter() - t)
+    if before:                                        # put back the kernels it ran on before
+        one, _, many = before.partition("/")
+        backbone.use_kernels(one, many or one)
     return {r: {k: statistics.median(v) for k, v in by.items()} for r, by in times.items()}
 
 
