@@ -158,6 +158,12 @@ def build(studio: Studio) -> gr.Blocks:
                                             label="Strategy", elem_id="strategy")
                         oracle_domain = gr.Dropdown(list(DOMAINS), value="math", label="oracle domain",
                                                     visible=False)
+                        with gr.Group(visible=len(studio.choices) > 1, elem_id="cal-choice"):
+                            cal_choice = gr.Dropdown([(c.title, c.name) for c in studio.choices.values()],
+                                                     value=next(iter(studio.choices), None), label="Calibration",
+                                                     elem_id="calibration", info="your own choice: other "
+                                                     "visitors keep theirs")
+                            cal_info = gr.HTML(h.calibration_info(studio, None), elem_id="cal-info")
                         with gr.Accordion("Advanced: draft, tokens, γ, threshold, sampling, K", open=False):
                             draft = gr.Radio(list(DRAFTS), value=DEFAULT_DRAFT_LABEL, label="draft weights",
                                              elem_id="draft",
@@ -263,6 +269,9 @@ def build(studio: Studio) -> gr.Blocks:
                     for d, btn in ex_buttons.items()]
         map_view.change(wired(h.map_zoom, ("session", "domain_plot"), studio), [session, map_view],
                         [session, domain_plot], queue=False, show_progress="hidden", api_visibility="private")
+        cal_choice.change(wired(h.choose_calibration, h.CHOOSE_OUTPUTS, studio), [session, cal_choice],
+                          [session, route, domain_plot, layer_plot, cost, what_if_plot, domains_md, sets_plot,
+                           match_plot, k, cal_info], queue=False, show_progress="hidden", api_name="choose_calibration")
         strategy.change(wired(h.strategy_changed, ["oracle_domain"]), strategy, oracle_domain, queue=False,
                         show_progress="hidden", api_visibility="private")
         replay_evt = replay_btn.click(wired(th.replay, th.REPLAY_OUTPUTS, studio, discard=upload_forgetter()),
@@ -297,9 +306,10 @@ def build(studio: Studio) -> gr.Blocks:
 
         def generate_text_api(prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
                               gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
-                              top_p: float = 1.0, draft: str = DEFAULT_DRAFT_LABEL, seed: float | None = None) -> dict:
+                              top_p: float = 1.0, draft: str = DEFAULT_DRAFT_LABEL, seed: float | None = None,
+                              calibration: str = "") -> dict:
             return h.generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
-                                   draft, seed)
+                                   draft, seed, calibration)
         gr.api(generate_text_api, api_name="generate_text", concurrency_limit=1, concurrency_id="model")
     return demo
 

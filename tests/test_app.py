@@ -279,6 +279,75 @@ def test_same_draft_and_the_route_line(tiny_calibration):
     assert "same draft as static" not in route_html(route)
 
 
+@pytest.fixture(scope="module")
+def two_calibrations(tiny, tiny_calibration, tmp_path_factory):
+    """A studio serving the tiny calibration with two more beside it under their own root: "tiny-own",
+    whose domains each draft with a set of their own, and "tiny-other-embedding" (prompts embedded
+    another way: it cannot share the backbone, so it is not offered)."""
+    root = tmp_path_factory.mktemp("calibrations")
+    for name in ("tiny-own", "tiny-other-embedding"):
+        shutil.copytree(tiny_calibration.folder, root / name)
+    doc_path = root / "tiny-own" / "calibration.json"
+    doc = json.loads(doc_path.read_text())
+    for i, d in enumerate(doc["domain_sets"]):
+        doc["domain_sets"][d] = SkipSet({i % 4}, {(i + 1) % 4}, d).to_dict()
+    doc_path.write_text(json.dumps(doc))
+    other = root / "tiny-other-embedding" / "calibration.json"
+    doc = json.loads(other.read_text())
+    doc["meta"]["embedding"] = "user_mean" if tiny_calibration.embedding != "user_mean" else "last_token"
+    other.write_text(json.dumps(doc))
+    st = startup.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    startup.load_choices(st, root=root)
+    return st
+
+
+def test_the_calibration_chooser_is_each_visitors_own(two_calibrations, tiny):
+    """A visitor who picks another calibration routes and drafts with it; a visitor who did not keeps the
+    served one; both draft from the one backbone's draft weights, built once."""
+    st = two_calibrations
+    served = st.calibration
+    assert list(st.choices) == [st.cal_folder.name, "tiny-own"]        # the other embedding is not offered
+    own = st.choices["tiny-own"]
+    assert "7 of 7 domains draft with a set of their own" in own.line and "KNN-SSD layer sets" in own.title
+    if all(s.same_draft(served.static) for s in served.domain_sets.values()):
+        assert "routing changes nothing" in st.choices[st.cal_folder.name].line
+    picked = handlers.choose_calibration(st, None, "tiny-own")
+    session = picked["session"]
+    assert session.calibration == "tiny-own" and "tiny-own" in picked["cal_info"]
+    assert set(picked) == set(handlers.CHOOSE_OUTPUTS)
+    mine = run(handlers.generate, st, "oracle", session=session, domain="math")[-1]["session"].run
+    theirs = run(handlers.generate, st, "oracle", domain="math")[-1]["session"].run
+    assert mine.start.skip.same_draft(own.calibration.domain_sets["math"])
+    assert theirs.start.skip.same_draft(served.domain_sets["math"])
+    assert not own.calibration.domain_sets["math"].same_draft(served.domain_sets["math"])
+    assert st.calibration is served                     # nothing changed for anyone else
+    trace = json.loads(__import__("base64").b64decode(
+        handlers.trace_download(st.for_visitor("tiny-own"), session).split("base64,")[1].split('"')[0]))
+    assert trace["meta"]["calibration"] == "tiny-own"
+    int8 = [label for label in tiny.drafts.memory() if label.startswith("int8")]
+    assert len(int8) == 1                                # one int8 draft serves both calibrations
+    back = handlers.choose_calibration(st, session, st.cal_folder.name)
+    assert back["session"].calibration is None
+    assert handlers.choose_calibration(st, session, "no-such")["session"].calibration is None
+    api = handlers.generate_text(st, PROMPT, "oracle", 8, calibration="tiny-own")
+    assert api["calibration"] == "tiny-own" and "error" not in api
+    assert "unknown calibration" in handlers.generate_text(st, PROMPT, calibration="nope")["error"]
+
+
+def test_a_calibration_with_a_different_channel_ranking_of_the_same_name_is_refused(tiny):
+    import torch
+    from ssd_core.engine.drafts import DraftFactory
+    f = DraftFactory(tiny)
+    n, inter = tiny.n_layers, tiny.layers[0].wdown.shape[1]
+    rank = torch.arange(inter).repeat(n, 1)
+    f.install_channels({"math": rank})
+    f.add_channels({"math": rank.clone(), "code": rank.flip(1)})        # the same ranking again: fine
+    assert set(f.channel_ranks) == {"math", "code"}
+    with pytest.raises(ValueError, match="differs"):
+        f.add_channels({"math": rank.flip(1)})
+    assert set(f.channel_ranks) == {"math", "code"}
+
+
 def test_stop_ends_the_decode_at_the_next_step(studio):
     gen = handlers.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5)
     first = next(gen)

@@ -151,6 +151,14 @@ def read_bench(folder: Path) -> dict:
     return out
 
 
+def runs_of_calibration(folder: Path, name: str, created: str | None) -> list[dict]:
+    """The committed bench summaries made with calibration `name` as it is now (same `created`),
+    the latest first."""
+    runs = [s for p in sorted(folder.glob("**/summary.json")) if (s := _read_json(p))
+            and Path(str(s.get("calibration", ""))).name == name and s.get("calibration_created") == created]
+    return sorted(runs, key=lambda s: str(s.get("started", "")), reverse=True)
+
+
 def _markdown_by_run(folder: Path, headline: str | None) -> list[tuple[str, str]]:
     runs: dict[str, list[Path]] = {}
     for p in sorted(folder.glob("**/*.md")):

@@ -19,7 +19,8 @@ from ssd_core.tools.metrics import first_difference
 from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.session import (Run, Session, acceptance_star, cost_view, domains_views, get_session, layer_fig,
+from viz.tokens import escape
+from viz.session import (Run, Session, get_session, acceptance_star, cost_view, domains_views, visitor, layer_fig,
                          map_fig, route_view, stats_view, tokens_view, trace_download, vocab, NO_TRACE)
 from viz.studio import (DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, Update, clean_prompt, make_config,
                         make_strategy, problem, public_message, safe_k)
@@ -59,7 +60,7 @@ def _in_use(studio: Studio, run: Run, start: Start):
 def page_load(studio: Studio, built_with, session) -> dict:
     """On page load: this visitor's own state (which also opens the event stream before the first
     click) and, if a calibration was installed after the layout was built, everything that shows it."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     cal = studio.calibration
     if cal is built_with:
         # the UMAP may have finished loading in the background since the layout was built
@@ -77,14 +78,49 @@ def page_load(studio: Studio, built_with, session) -> dict:
     return out
 
 
+# --- the calibration chooser ------------------------------------------------------------------------------
+CHOOSE_OUTPUTS = ("session", "route", "domain_plot", "layer_plot", "cost", "what_if", "domains_md", "sets_plot",
+                  "match_plot", "k", "cal_info")
+
+
+def choose_calibration(studio: Studio, session, name) -> dict:
+    """This visitor's calibration (Studio.choices): their next runs route and draft with it, and every
+    view of the calibration shows it; other visitors keep theirs. No model runs."""
+    session = get_session(session)
+    if name not in studio.choices:
+        return dict(session=session, cal_info=calibration_info(studio, session.calibration))
+    session.calibration = None if studio.choices[name].calibration is studio.calibration else name
+    view = studio.for_visitor(session.calibration)
+    cal = view.calibration
+    text, sets, match = domains_views(view)
+    cost, what_if_fig = cost_view(view, None, None)
+    return dict(session=session, route=route_view(None), domain_plot=map_fig(view, None),
+                layer_plot=layer_fig(view, None), cost=cost, what_if=what_if_fig, domains_md=text,
+                sets_plot=sets, match_plot=match, k=Update(value=cal.router.k),
+                cal_info=calibration_info(studio, name))
+
+
+def calibration_info(studio: Studio, name: str | None) -> str:
+    """The line under the chooser: what the picked calibration's domains draft with, and bench speed."""
+    c = studio.choices.get(name) if name else next(iter(studio.choices.values()), None)
+    if c is None:
+        return ""
+    return (f'<div class="cal-info">{escape(c.line)}<br><span class="cal-mem">Every calibration here drafts '
+            f'from the one model: {escape(studio.draft_memory())}.</span></div>')
+
+
 # --- the plain API -------------------------------------------------------------------------------------
 def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64,
                   gamma: float = 4, threshold: float = 0.0, temperature: float = 0.0,
-                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT_LABEL, seed=None) -> dict:
+                  top_p: float = 1.0, draft: str = DEFAULT_DRAFT_LABEL, seed=None, calibration: str = "") -> dict:
     """The plain API: one whole answer and its stats (gradio_client, the load test and tests).
 
+    calibration: one of Studio.choices by name (blank: the served one).
     Bad input never raises: the answer is {"error": message} and the server keeps serving.
     """
+    if calibration and calibration not in studio.choices:
+        return {"error": f"unknown calibration {str(calibration)[:60]!r}; choose from {', '.join(studio.choices)}"}
+    studio = studio.for_visitor(calibration or None)
     err, cfg = problem(prompt, lambda: make_config(max_new_tokens, gamma, threshold, temperature, top_p, draft,
                                                    seed, max_new_cap=studio.limits.max_new_tokens))
     if err:
@@ -103,7 +139,8 @@ def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_ne
     st = g.stats
     return {"text": g.text, "strategy": name, "new_tokens": st.new_tokens, "tau": round(st.tau, 3),
             "alpha": round(st.alpha, 3), "tokens_per_s": round(st.tokens_per_s, 2),
-            "truncated": g.start.truncated, "domain": g.start.domain, "seed": cfg.seed}
+            "truncated": g.start.truncated, "domain": g.start.domain, "seed": cfg.seed,
+            "calibration": studio.cal_folder.name if studio.calibration is not None else None}
 
 
 def model_failed(exc: Exception) -> str:
@@ -221,7 +258,7 @@ def _speculate(studio: Studio, racing: bool, session, prompt, strategy_label, do
     (Generate) or the second lap and the lossless check (Race; against "ar": plain decoding, "static":
     the static draft). A decode that raises becomes a message in the token panel; the server keeps
     serving."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     err, got = _request(studio, racing, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed)
     if err:
         yield dict(session=session, tokens=vtok.stream_html("", placeholder=err, status="⚠ " + err))
@@ -311,7 +348,7 @@ def _second_lap(studio: Studio, session: Session, prompt: str, cfg, against: str
 
 def stop(studio: Studio, session) -> dict:
     """Stop: the running decode ends at its next step (Gradio also cancels the event); show where."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     session.stop = True
     run = session.run
     if run is None or run.start is None:
@@ -326,7 +363,7 @@ def stop(studio: Studio, session) -> dict:
 # --- small controls ------------------------------------------------------------------------------------
 def pick_example(studio: Studio, session, domain: str) -> dict:
     """An example button: the next held-out prompt of that domain (cycling), and the oracle's domain."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     prompts = studio.examples.get(domain) or [""]
     i = session.example_turn.get(domain, 0)
     session.example_turn[domain] = i + 1
@@ -343,14 +380,14 @@ MAP_VIEWS = ("neighbourhood", "whole map")
 def map_zoom(studio: Studio, session, view) -> dict:
     """The domain map's toggle: the last run's map, zoomed to its neighbourhood or whole (no model run);
     the choice also holds for this session's next runs."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     session.map_whole = view == MAP_VIEWS[1]
     return dict(session=session, domain_plot=map_fig(studio, session.run, session.map_whole))
 
 
 def what_if(studio: Studio, session, gamma, verify) -> dict:
     """The cost tab's what-if chart at another γ / verify cost."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     cal = studio.calibration
     run = session.run
     c, alpha, c_big = 0.8, None, None

@@ -79,6 +79,7 @@ class Session:
     stop: bool = False
     example_turn: dict = field(default_factory=dict)
     map_whole: bool = False          # the domain map's toggle: whole map instead of the prompt's neighbourhood
+    calibration: str | None = None   # the calibration this visitor picked (Studio.choices); None: the served one
 
 
 def vocab(studio: Studio, run: Run):
@@ -121,6 +122,12 @@ def trace_download(studio: Studio, session) -> str:
 
 def get_session(s) -> Session:
     return s if isinstance(s, Session) else Session()
+
+
+def visitor(studio: Studio, s) -> tuple[Studio, Session]:
+    """(the studio as this visitor sees it — the calibration they picked —, their session)."""
+    session = get_session(s)
+    return studio.for_visitor(session.calibration), session
 
 
 def domains_views(studio: Studio):

@@ -7,6 +7,7 @@ Generate through the handler, so the first visitor pays no first-call costs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from pathlib import Path
@@ -15,11 +16,14 @@ from ssd_core import calibration as cal_io
 from ssd_core.calibration.domains import load_prompts, split
 from ssd_core.calibration.latency import profile
 from ssd_core.engine import loading as core_loading
+from ssd_core.engine.decode import DecodeConfig
 from viz.handlers import generate
 from viz.limits import Limits
 from viz.session import banner
-from viz.benchmark import read_bench
-from viz.studio import BENCH_DIR, QUICK_CALIBRATION, Studio, Update, public_message
+from viz.benchmark import read_bench, runs_of_calibration
+from viz.studio import BENCH_DIR, QUICK_CALIBRATION, Choice, Studio, Update, public_message
+
+log = logging.getLogger("knn-ssd-studio")
 
 
 def load_map(cal) -> tuple[object | None, str]:
@@ -31,18 +35,81 @@ def load_map(cal) -> tuple[object | None, str]:
         return None, f"domain map unavailable: {exc}"
 
 
-def refresh_latency(studio, cal) -> str | None:
+def refresh_latency(studio, cal, others=()) -> str | None:
     """Re-measure `cal`'s latency model on this machine when it was profiled elsewhere (another CPU,
     device, thread count or verifier kernel: LatencyModel.stale_for), and install it for every later
-    request; ~9 s for SmolLM2-135M on 2 cores. Returns why it was re-measured (None: it was not)."""
+    request; ~9 s for SmolLM2-135M on 2 cores. Returns why it was re-measured (None: it was not).
+    others: calibrations served beside it; they draft from the same backbone and draft head, so one
+    fresh profile serves every one of them that is stale too."""
     why = cal.latency.stale_for(studio.backbone)
-    if why is None:
+    stale = [(c, w) for c in others if (w := c.latency.stale_for(studio.backbone))]
+    if why is None and not stale:
         return None
     t = time.perf_counter()
     fresh = profile(studio.backbone, progress=False)
-    cal.latency = dataclasses.replace(fresh, machine={**fresh.machine, "at_start": True, "was": why})
+    for c, w in ([(cal, why)] if why else []) + stale:
+        c.latency = dataclasses.replace(fresh, machine={**fresh.machine, "at_start": True, "was": w})
     studio.timings["latency_s"] = round(time.perf_counter() - t, 1)
-    return why
+    return why or stale[0][1]
+
+
+def describe_choice(name: str, cal, served: bool) -> tuple[str, str]:
+    """(title, line) for the calibration chooser: a few words, and one line on what its domains draft
+    with and, when a committed held-out bench ran it as it is, how fast knn and static were there."""
+    sets = cal.domain_sets
+    own = sum(not s.same_draft(cal.static) for s in sets.values())
+    kind = "channel sets" if any(s.channels for s in [*sets.values(), cal.static]) else "layer sets"
+    short = "served default" if served else name.removeprefix(cal_io.model_slug_of(cal) + "-")
+    if own == 0:
+        title = f"{short} · one {kind[:-1]} for every domain"
+        what = f"{kind}: every domain drafts with the one static set, so routing changes nothing"
+    else:
+        title = f"{short} · KNN-SSD {kind}"
+        what = f"KNN-SSD {kind}: {own} of {len(sets)} domains draft with a set of their own"
+    runs = runs_of_calibration(BENCH_DIR, name, cal.meta.get("created"))
+    speed = ""
+    if runs:
+        st = runs[0].get("strategies", {})
+        knn, static = st.get("knn", {}).get("speedup"), st.get("static", {}).get("speedup")
+        if knn and static:
+            speed = f" · last held-out bench: knn {knn:.2f}×, static {static:.2f}× plain decoding"
+    return title, f"{name}{' (served)' if served else ''} · {what}{speed}"
+
+
+def load_choices(studio: Studio, root: Path | None = None) -> None:
+    """The calibrations a visitor may pick: the served one first, then every other one under
+    assets/calibration/ made for this model that can draft from the same backbone beside it
+    (artifact.shares_backbone). Quick (≈ 0.05 s each): their domain maps load in the background."""
+    served, bb = studio.calibration, studio.backbone
+    if served is None:
+        return
+    folder = Path(studio.cal_folder)
+    choices = {folder.name: Choice(folder.name, *describe_choice(folder.name, served, True), served, folder)}
+    for other in sorted(Path(root or cal_io.CALIBRATION_ROOT).glob("*/calibration.json")):
+        other = other.parent
+        if other.resolve() == folder.resolve() or other.name in choices:
+            continue
+        try:
+            cal = cal_io.load(other, bb, install=False)
+        except cal_io.CalibrationError as exc:       # another model's, or out of date: not offered
+            log.info("calibration %s not offered: %s", other.name, exc)
+            continue
+        why = cal_io.shares_backbone(cal, bb)
+        if why:
+            log.info("calibration %s not offered: %s", other.name, why)
+            continue
+        choices[other.name] = Choice(other.name, *describe_choice(other.name, cal, False), cal, other)
+    studio.choices = choices
+
+
+def prebuild_drafts(studio: Studio) -> None:
+    """Build every chosen calibration's draft weights now, in the background, so that the first visitor
+    who picks one pays nothing (a channel set's cut MLPs: ~0.5 s each on 2 cores)."""
+    cfg = DecodeConfig()
+    for c in studio.choices.values():
+        for s in {(s.channels, s.keep): s for s in [*c.calibration.domain_sets.values(), c.calibration.static]
+                  if s.channels}.values():
+            studio.backbone.drafts.get(cfg.draft, cfg.small_head, s)
 
 
 def load_studio(spec: str | None = None, calibration: str | Path | None = None, threads: int = 2,
@@ -76,8 +143,12 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     studio.timings = {"cold": cold, "model_s": round(t_model, 1),
                       "ready_s": round(time.perf_counter() - t0, 1), "map_s": None}
 
+    if cal is not None:
+        load_choices(studio)
+    others = [c for c in studio.choices.values() if c.calibration is not cal]
+
     def prepare_map():
-        why = refresh_latency(studio, cal)
+        why = refresh_latency(studio, cal, [c.calibration for c in others])
         if why and map_in_background:
             print(f"latency model re-measured on this machine in {studio.timings['latency_s']} s ({why})", flush=True)
         t = time.perf_counter()
@@ -87,6 +158,12 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
         studio.timings["map_s"] = round(time.perf_counter() - t, 1)
         if map_in_background:           # the server is up meanwhile: say when the map is there too
             print(f"domain map {'ready' if dm is not None else 'unavailable'} after {studio.timings['map_s']} s",
+                  flush=True)
+        for c in others:
+            studio.install_map(c, *load_map(c.calibration))
+        prebuild_drafts(studio)
+        if map_in_background and others:
+            print(f"calibrations a visitor may pick: {', '.join(studio.choices)}; {studio.draft_memory()}",
                   flush=True)
 
     if cal is not None:

@@ -5,6 +5,7 @@ The app (app.py), the handlers (viz.handlers, viz.walk_handlers) and the tests i
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 
@@ -67,6 +68,21 @@ class Update:
 
 # --- shared, read-mostly resources (one per process) --------------------------------------------
 @dataclass
+class Choice:
+    """A calibration a visitor may pick (viz.startup.load_choices): loaded once, shared by every visitor
+    who picks it; its draft weights come from the one backbone's draft factory, built once."""
+
+    name: str                       # its folder's name: what a session and the API name it by
+    title: str                      # a few words: the chooser's entry
+    line: str                       # one line under the chooser: what its domains draft with, its bench speed
+    calibration: object
+    folder: Path
+    domain_map: object | None = None
+    anchors: list = field(default_factory=list)
+    map_error: str = "domain map loading …"
+
+
+@dataclass
 class Studio:
     """What every session shares: the model, its calibration and the pre-built figures."""
 
@@ -85,16 +101,44 @@ class Studio:
     limits: Limits = field(default_factory=Limits)  # what one visitor may ask of this server
     lock: threading.Lock = field(default_factory=threading.Lock)
     uploads: OrderedDict = field(default_factory=OrderedDict)   # upload path → parsed Trace (viz.trace_handlers)
+    # the calibrations a visitor may pick, the served one first (name → Choice; empty: no chooser)
+    choices: dict = field(default_factory=dict)
+
+    def for_visitor(self, name: str | None) -> "Studio":
+        """This studio as a visitor who picked calibration `name` sees it: the same model, caps and
+        locks, that calibration and its domain map. The served one (or an unknown name): the studio itself."""
+        c = self.choices.get(name) if name else None
+        if c is None or c.calibration is self.calibration:
+            return self
+        return dataclasses.replace(self, calibration=c.calibration, cal_folder=c.folder, domain_map=c.domain_map,
+                                   anchors=c.anchors, map_error=c.map_error)
+
+    def draft_memory(self) -> str:
+        """The draft weights built so far, in words (what serving the chosen calibrations costs in memory)."""
+        mem = self.backbone.drafts.memory()
+        return (f"draft weights in memory: {sum(mem.values()) / 1e6:.0f} MB ({len(mem)} "
+                f"draft{'s' if len(mem) != 1 else ''} built, shared by every visitor)")
 
     def install(self, cal, domain_map=None, map_error: str = "") -> None:
         """Swap in a (new) calibration and its domain map for every session."""
-        anchors = []
-        if domain_map is not None:
-            r = cal.router
-            anchors = vmap.anchor_traces(domain_map.coords, r.domains, r.texts, r.kinds)
+        anchors = map_anchors(cal, domain_map)
         with self.lock:
             self.calibration, self.cal_error = cal, ""
             self.domain_map, self.anchors, self.map_error = domain_map, anchors, map_error
+
+    def install_map(self, choice: Choice, domain_map=None, map_error: str = "") -> None:
+        """A chosen calibration's domain map, once loaded (the served one's: `install`)."""
+        anchors = map_anchors(choice.calibration, domain_map)
+        with self.lock:
+            choice.domain_map, choice.anchors, choice.map_error = domain_map, anchors, map_error
+
+
+def map_anchors(cal, domain_map) -> list:
+    """The domain map's anchor traces of a calibration ([] without a map)."""
+    if domain_map is None:
+        return []
+    r = cal.router
+    return vmap.anchor_traces(domain_map.coords, r.domains, r.texts, r.kinds)
 
 
 def public_message(text: str) -> str:

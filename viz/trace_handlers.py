@@ -15,7 +15,7 @@ from ssd_core.engine.trace import Trace, TraceError
 from viz import stats as vstats
 from viz import tokens as vtok
 from viz.handlers import GEN_OUTPUTS, show_events
-from viz.session import Run, Walk, cost_view, get_session, stats_view, trace_download
+from viz.session import Run, Walk, cost_view, visitor, stats_view, trace_download
 from viz.studio import LABELS, Studio
 from viz.walk_handlers import start_walk, walk_view
 
@@ -109,7 +109,7 @@ def _load(studio: Studio, file, discard) -> Trace:
 def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, discard=None):
     """Load a trace and play it in the Generate view (and make it the Step-through's walk). It never runs the
     model, so app.py gives it a lane of its own: its pauses hold no one else's request."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     if not file:
         yield _problem("Choose a trace file (.json) first: download one after any run with ⤓.", session)
         return

@@ -10,7 +10,7 @@ import time
 
 from ssd_core.engine.decode import decode
 from viz import stepthrough as vwalk
-from viz.session import Walk, get_session
+from viz.session import Walk, get_session, visitor
 from viz.studio import (STRATEGY_OF_LABEL, Studio, clean_prompt, make_config, make_strategy, problem,
                         public_message, safe_k)
 
@@ -46,7 +46,7 @@ def _advance(walk: Walk) -> None:
 def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k):
     """Start: decode the answer (up to the server's walk cap) in one go, in the model's lane; the clicks
     and auto-play then show its steps without running the model."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     if not clean_prompt(prompt).strip():
         return dict(session=session,
                     walk='<div class="walk idle">Type a prompt first (or click an example).</div>')
@@ -84,14 +84,14 @@ def start_walk(prompt: str, start, steps, replay=None) -> Walk:
 
 
 def walk_phase(studio: Studio, session, phase: str):
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     if session.walk is not None and session.walk.step is not None:
         session.walk.phase = phase
     return dict(session=session, walk=walk_view(studio, session.walk))
 
 
 def walk_next(studio: Studio, session):
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     if session.walk is not None and not session.walk.done:
         _advance(session.walk)
     return dict(session=session, walk=walk_view(studio, session.walk))
@@ -101,7 +101,7 @@ def walk_auto(studio: Studio, session, steps: int = 8, pause: float | None = Non
     """Auto-play: draft → verify → accept → next, a pause between phases (the walk's own by default:
     a replayed trace plays at the replay's speed). It only shows steps decoded at Start, so it runs in
     a lane of its own and its pauses never hold the model's."""
-    session = get_session(session)
+    studio, session = visitor(studio, session)
     walk = session.walk
     if walk is None:
         yield dict(session=session, walk=walk_view(studio, None))

@@ -10,8 +10,8 @@ cal_io`), imported on first use: importing one submodule does not import the oth
 only the latency model, and `python -m ssd_core.calibration.domains` must not import itself twice).
 """
 __all__ = ["CALIBRATION_ROOT", "CHECKSUMMED", "FORMAT_VERSION", "TMP_MARK", "Calibration", "CalibrationError",
-           "StagedWrites", "atomic_write", "default_folder", "load", "remove_stale_temporaries", "save",
-           "staged_writes"]
+           "StagedWrites", "atomic_write", "default_folder", "head_ids", "install_on", "load", "model_slug_of",
+           "remove_stale_temporaries", "save", "shares_backbone", "staged_writes"]
 
 
 def __getattr__(name: str):

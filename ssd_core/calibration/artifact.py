@@ -136,8 +136,12 @@ def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict
     return folder
 
 
-def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMAIN_DIR) -> Calibration:
-    """Load and check a calibration; every failure is a CalibrationError that says what to do."""
+def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMAIN_DIR,
+         install: bool = True) -> Calibration:
+    """Load and check a calibration; every failure is a CalibrationError that says what to do.
+
+    backbone: the model it must fit. install: also make it the backbone's calibration (`install`);
+    False loads one beside the installed one (see `shares_backbone`)."""
     folder = Path(folder)
     path = folder / "calibration.json"
     if not path.exists():
@@ -180,13 +184,45 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
                           if s.channels and s.channels not in (ranks or {})})
         if missing:
             raise ValueError(f"sets keep MLP channels by rankings {missing} that channels.npz lacks")
-        if backbone is not None:               # the small draft head belongs to this model's calibration
-            backbone.drafts.set_head(cal.drafts.get("head", {}).get("ids"))
-            backbone.set_embedding(cal.embedding)    # prompts are embedded as the anchors were
-            backbone.drafts.install_channels(ranks, means)
+        if backbone is not None and install:
+            install_on(cal, backbone)
         return cal
     except (KeyError, TypeError, ValueError, OSError) as exc:
         raise CalibrationError(f"calibration at {folder} is incomplete or corrupt: {exc}") from exc
+
+
+def model_slug_of(cal: Calibration) -> str:
+    """The slug of the model a calibration was made for (its default folder's name)."""
+    return model_slug(cal.meta.get("model"))
+
+
+def head_ids(cal: Calibration):
+    """The calibration's small draft head (token ids, sorted), or None for the whole vocabulary."""
+    ids = cal.drafts.get("head", {}).get("ids")
+    return None if ids is None else tuple(sorted({int(i) for i in ids}))
+
+
+def install_on(cal: Calibration, backbone) -> None:
+    """Make `cal` the backbone's calibration: its small draft head, its prompt embedding (prompts are
+    embedded as the anchors were) and its MLP channel rankings."""
+    backbone.drafts.set_head(head_ids(cal))
+    backbone.set_embedding(cal.embedding)
+    backbone.drafts.install_channels(cal.channel_ranks, cal.channel_means)
+
+
+def shares_backbone(cal: Calibration, backbone) -> str | None:
+    """Whether `cal` can serve beside the backbone's installed calibration, drafting from the same
+    backbone at once: None when it can (its channel rankings are added to the draft factory), else
+    why not (another prompt embedding or draft head, or a channel ranking of the same name that differs)."""
+    if cal.embedding != backbone.embedding_kind:
+        return f"it embeds prompts as {cal.embedding}, the served calibration as {backbone.embedding_kind}"
+    if head_ids(cal) != backbone.drafts.head_ids:
+        return "its small draft head differs from the served calibration's"
+    try:
+        backbone.drafts.add_channels(cal.channel_ranks, cal.channel_means)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_files(folder: Path, files: dict) -> None:

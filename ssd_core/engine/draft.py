@@ -184,23 +184,24 @@ class DraftWeights:
                     (", the rest as their mean" if self.compensated else "")
         return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
-    def extra_bytes(self) -> int:
-        """Memory the draft copy adds beside the fp32 weights (int8 weights + scales)."""
+    def extra_bytes(self, mlp_only: bool = False) -> int:
+        """Memory the draft copy adds beside the fp32 weights (int8 weights + scales). mlp_only: only its
+        MLP matrices (a cut draft's own; its head and attention are the uncut draft's objects)."""
+        names = ("wgu", "wdown") if mlp_only else ("wqkv", "wo", "wgu", "wdown")
         if self.kind == "fp32" or not self.kernel:     # fp32 (head, cut MLPs) or dequantised copies
             if self.kind == "fp32":                     # the model's own weights, but cut MLPs are copies
                 weights = [w for layer in self.layers for w in (layer.wgu, layer.wdown)] if self.channels else []
             else:
-                weights = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.wgu, layer.wdown)]
-            if self.kind != "fp32" or self.head.ids is not None:
+                weights = [getattr(layer, n) for layer in self.layers for n in names]
+            if not mlp_only and (self.kind != "fp32" or self.head.ids is not None):
                 weights.append(self.head.weight)
             return sum(int(w.numel()) * w.element_size() for w in weights)
-        n = 0
-        for layer in self.layers:
-            for packed in (layer.wqkv, layer.wo, layer.wgu, layer.wdown):
-                w, _ = torch.ops.quantized.linear_unpack(packed)
-                n += w.numel() + 8 * w.shape[0]
-        w, _ = torch.ops.quantized.linear_unpack(self.head.weight)
-        return n + w.numel() + 8 * w.shape[0]
+        total = 0
+        for packed in [getattr(layer, n) for layer in self.layers for n in names] + \
+                ([] if mlp_only else [self.head.weight]):
+            w, _ = torch.ops.quantized.linear_unpack(packed)
+            total += w.numel() + 8 * w.shape[0]
+        return total
 
 
 def frequent_tokens(counts: dict[int, int] | torch.Tensor, n: int, always=()) -> list[int]:

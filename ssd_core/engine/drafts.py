@@ -63,6 +63,12 @@ def cut_draft(draft: DraftWeights, backbone, kept: list, name: tuple[str, float]
     return out
 
 
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(torch.as_tensor(a).cpu().float(), torch.as_tensor(b).cpu().float())
+
+
 class DraftFactory:
     """The draft weights of one Backbone, built on first use and cached (thread-safe)."""
 
@@ -106,6 +112,29 @@ class DraftFactory:
         with self._lock:
             self.channel_ranks, self.channel_means = ranks, means
             self._built = {k: v for k, v in self._built.items() if k[2] is None}
+
+    def add_channels(self, ranks: dict | None, means: dict | None = None) -> None:
+        """Add another calibration's channel rankings beside the installed ones (several calibrations
+        served at once). A name already installed must hold the same ranking and means: else
+        ValueError, and nothing is added."""
+        ranks, means = ranks or {}, means or {}
+        old_ranks, old_means = self.channel_ranks, self.channel_means
+        for name, r in ranks.items():
+            if name in old_ranks and not (torch.equal(old_ranks[name].cpu(), torch.as_tensor(r, dtype=torch.long))
+                                          and _same(old_means.get(name), means.get(name))):
+                raise ValueError(f"its MLP channel ranking {name!r} differs from the one of that name "
+                                 "already installed")
+        self.install_channels({**old_ranks, **ranks}, {**old_means, **means})
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of every draft built so far, by label; a cut draft counts only its own MLPs (it shares
+        the head and attention weights of the draft it was cut from)."""
+        with self._lock:
+            built = dict(self._built)
+        out = {}
+        for (kind, head, channels), d in built.items():
+            out[d.label] = d.extra_bytes(mlp_only=channels is not None)
+        return out
 
     def kept_channels(self, channels: str, keep: float) -> list[torch.Tensor]:
         """Each layer's kept MLP channel ids (ascending): the top `keep` share of ranking `channels`."""
