@@ -309,6 +309,26 @@ def test_race_vs_static_in_the_browser(server, browser):
     page.screenshot(path=str(_shots() / "race_static.png"), full_page=True)
 
 
+def test_a_visitor_picks_a_calibration_for_themselves(server, browser):
+    """The calibration chooser: the layer-set calibration for one page, the served one for another."""
+    page = _open(browser, server["url"])
+    other = _open(browser, server["url"])
+    page.click("#calibration input")
+    page.get_by_role("option", name="knnssd · KNN-SSD layer sets").click()
+    page.wait_for_function("document.querySelector('#cal-info').innerText.includes('knnssd')", timeout=30_000)
+    info = page.inner_text("#cal-info")
+    assert "draft with a set of their own" in info and "MB" in info, info
+    assert "served" in other.inner_text("#cal-info")            # the other visitor's page is unchanged
+    page.fill("#prompt textarea", "Write a SQL query that lists the ten customers with the highest total spend.")
+    page.wait_for_timeout(300)
+    page.click("#race-static-btn")
+    page.wait_for_function("document.querySelector('#race').innerText.includes('static draft') && "
+                           "document.querySelector('#race').innerText.includes('×')", timeout=240_000)
+    assert "identical" in page.inner_text("#race")
+    page.screenshot(path=str(_shots() / "calibration_choice.png"))
+    other.close()
+
+
 TOKENS_JS = """els => els.map(e => ({cls: e.className, text: e.innerText, tip: e.dataset.tip,
     color: getComputedStyle(e).color, background: getComputedStyle(e).backgroundColor}))"""
 
