@@ -517,6 +517,10 @@ def test_a_latency_model_from_another_cpu_is_re_measured_at_start(tiny, tiny_cal
     assert "AMD EPYC 7B13" in why and cal.latency.stale_for(tiny) is None
     assert cal.latency.machine["at_start"] and "re-measured at this app's start" in cal.latency.device_words
     assert stub.timings["latency_s"] >= 0
+    other = load_cal(folder, tiny)                      # a calibration served beside it, profiled elsewhere
+    other.latency = dataclasses.replace(other.latency, machine=elsewhere)
+    assert startup.refresh_latency(stub, cal, [other]) and other.latency.stale_for(tiny) is None
+    assert other.latency.machine["at_start"]
 
 
 class _StudioStub:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hf_reference import hf_greedy
-from ssd_core.engine import backbone as backbone_module, machine
+from ssd_core.engine import backbone as backbone_module, drafts as drafts_module, machine
+from ssd_core.engine.draft import DRAFT_MATRICES, DraftWeights
+from ssd_core.engine.drafts import DraftFactory
 from ssd_core.engine.weights import LayerWeights, onednn_available
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
@@ -47,7 +49,7 @@ def test_auto_measures_each_pass_shape_once_and_caches_the_choice_per_cpu(monkey
     assert bb._targets[0][1] is torch.nn.functional.linear and bb._targets[1][1] is not torch.nn.functional.linear
     entry, = json.loads((tmp_path / machine.CHOICE_FILE).read_text()).values()
     assert entry["choice"] == ["plain", "onednn"] and entry["cpu"] == machine.cpu_info()
-    assert entry["timings_ms"]["1"] == {"plain": 30.0, "onednn": 40.0}
+    assert entry["timings"]["1"] == {"plain": 30.0, "onednn": 40.0}
     assert tiny_backbone().kernel == "plain/onednn" and len(calls) == 1        # cached
     other = {**machine.cpu_info(), "model": "AMD EPYC (another machine)"}
     monkeypatch.setattr(machine, "cpu_info", lambda: other)
@@ -150,3 +152,61 @@ def test_weights_changed_repacks_the_verifier():
     assert bb.kernel == "onednn"
     torch.testing.assert_close(after, torch.nn.functional.linear(x, bb.lm_head), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(after[:, 7], before[:, 7])
+
+
+# --- the int8 draft's kernel per matrix -----------------------------------------------------------------
+def test_the_draft_kernels_are_decided_by_whole_draft_passes_and_cached(monkeypatch, tmp_path):
+    """Matrices that are faster alone in fp32 only propose a candidate: the whole draft pass decides (on
+    one Xeon fp32 won q/k/v and o alone, and the draft pass ran 20% slower with them mixed in)."""
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    alone = {m: {"int8": 10.0, "fp32": 20.0} for m in DRAFT_MATRICES}
+    alone["qkv"] = {"int8": 30.0, "fp32": 20.0}
+    monkeypatch.setattr(machine, "measure_draft_kernels", lambda bb: alone)
+    passes = []
+    monkeypatch.setattr(machine, "measure_draft_passes", lambda bb, cands: passes.append(cands) or [10.0, 12.0])
+    bb = tiny_backbone()
+    assert machine.fastest_draft_kernels(bb, measure_now=False) is None          # nothing cached yet
+    every = {m: "int8" for m in DRAFT_MATRICES}
+    assert machine.fastest_draft_kernels(bb) == every and len(passes) == 1       # the mixed pass lost
+    assert passes[0] == [every, {**every, "qkv": "fp32"}]
+    assert machine.fastest_draft_kernels(bb, measure_now=False) == every and len(passes) == 1   # cached
+    monkeypatch.setattr(machine, "measure_draft_passes", lambda bb, cands: [12.0, 10.0])
+    assert machine.fastest_draft_kernels(bb, refresh=True) == {**every, "qkv": "fp32"}
+
+
+def test_a_draft_with_some_matrices_in_fp32_reads_the_verifiers_weights_and_stays_lossless():
+    bb = tiny_backbone()
+    kernels = {m: "int8" for m in DRAFT_MATRICES} | {"qkv": "fp32", "o": "fp32"}
+    mixed, every = DraftWeights(bb, "int8", kernels=kernels), DraftWeights(bb, "int8")
+    assert mixed.layers[0].wqkv is bb.layers[0].wqkv and mixed.layers[0].wo is bb.layers[0].wo
+    assert not isinstance(mixed.layers[0].wgu, torch.Tensor)
+    assert "q/k/v, o in fp32" in mixed.label and "fp32" not in every.label
+    assert 0 < mixed.extra_bytes() < every.extra_bytes()
+    bb.drafts.set_int8_kernels(kernels)                                           # decode with it
+    cfg = DecodeConfig(max_new_tokens=24, gamma=3, draft="int8", lookup=False)
+    skip = SkipSet({1}, {2}, "static")
+    ar = generate(bb, "The cat sat on", Autoregressive(), cfg).token_ids
+    assert generate(bb, "The cat sat on", Static(skip), cfg).token_ids == ar
+    assert bb.drafts.get("int8", True, skip).kernels == kernels
+
+
+def test_the_app_measures_the_draft_kernels_after_start_up(monkeypatch, tmp_path):
+    """defer_choice (the app's start-up): the first int8 draft uses int8 everywhere without measuring;
+    choose_int8_kernels measures later and drops drafts built on other kernels."""
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    monkeypatch.delenv("SSD_DRAFT_KERNEL", raising=False)
+    calls = []
+    chosen = {m: "int8" for m in DRAFT_MATRICES} | {"o": "fp32"}
+    monkeypatch.setattr(machine, "fastest_draft_kernels",
+                        lambda bb, measure_now=True, refresh=False: calls.append(measure_now) or
+                        (chosen if measure_now else None))
+    monkeypatch.setattr(drafts_module, "fastest_draft_kernels", machine.fastest_draft_kernels)
+    factory = DraftFactory(tiny_backbone())
+    factory.defer_choice = True
+    first = factory.get("int8", True, None)
+    assert first.kernels == {m: "int8" for m in DRAFT_MATRICES} and calls == [False]
+    assert factory.choose_int8_kernels() == chosen and calls[-1] is True
+    again = factory.get("int8", True, None)
+    assert again is not first and again.kernels == chosen
+    monkeypatch.setenv("SSD_DRAFT_KERNEL", "int8")
+    assert DraftFactory(tiny_backbone()).int8_kernels() == {m: "int8" for m in DRAFT_MATRICES}

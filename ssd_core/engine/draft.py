@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 DRAFT_KINDS = ("int8", "fp32")
+DRAFT_MATRICES = ("qkv", "o", "gate_up", "down", "head")      # what machine.fastest_draft_kernels chooses for
+MATRIX_WORDS = {"qkv": "q/k/v", "o": "o", "gate_up": "gate/up", "down": "down", "head": "lm_head"}
 DEFAULT_DRAFT_KIND = "int8"       # the draft weights alone (the app adds prompt lookup on top)
 
 
@@ -85,6 +87,15 @@ def _int8_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x, packed, False)
 
 
+def _mixed_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """An int8 draft whose matrices run on different kernels (machine.fastest_draft_kernels): fp32
+    `F.linear` for a plain tensor (the verifier's own weights, or a cut copy), the int8 kernel for
+    prepacked weights (their bias is inside)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    return torch.ops.quantized.linear_dynamic(x, w, False)
+
+
 def _int8_rounded(w: torch.Tensor) -> torch.Tensor:
     """The same int8 codes, dequantised to w's dtype (any device)."""
     codes, scale = _int8_codes(w, 127)         # no int8 kernel here, so no saturation to avoid
@@ -106,17 +117,25 @@ class DraftLayer:
 
     __slots__ = ("ln1", "wqkv", "bqkv", "wo", "ln2", "wgu", "wdown", "bdown")
 
-    def __init__(self, layer, packed: list, kernel: bool = True, bdown: torch.Tensor | None = None):
+    def __init__(self, layer, packed: list, bdown: torch.Tensor | None = None):
+        """packed: qkv, o, gate/up, down: prepacked int8 weights (their biases inside) or plain tensors."""
         self.ln1, self.ln2 = layer.ln1, layer.ln2
         self.wqkv, self.wo, self.wgu, self.wdown = packed
-        self.bqkv = None if kernel else layer.bqkv     # CPU: inside the packed weights
-        self.bdown = None if kernel else bdown
+        self.bqkv = layer.bqkv if isinstance(self.wqkv, torch.Tensor) else None
+        self.bdown = bdown if isinstance(self.wdown, torch.Tensor) else None
 
     @staticmethod
     def jobs(layer, kernel: bool) -> list[tuple]:
-        """The (weight, bias) pairs to pack, in the order __init__ takes them."""
-        return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None), (layer.wgu, None),
-                (layer.wdown, None)]
+        """(matrix name, weight, bias to pack with it), in the order __init__ takes them."""
+        return [("qkv", layer.wqkv, layer.bqkv if kernel else None), ("o", layer.wo, None),
+                ("gate_up", layer.wgu, None), ("down", layer.wdown, None)]
+
+
+def pack_chosen(jobs: list[tuple], kernels: dict, kernel: bool) -> list:
+    """(name, weight, bias) jobs → what a draft reads: packed int8 where `kernels[name]` is "int8", the
+    weight itself where it is "fp32" (machine.fastest_draft_kernels)."""
+    packed = iter(pack_int8([(w, b) for name, w, b in jobs if kernels[name] == "int8"], kernel))
+    return [next(packed) if kernels[name] == "int8" else w for name, w, _ in jobs]
 
 
 @dataclass(frozen=True)
@@ -143,9 +162,11 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None,
+                 kernels: dict | None = None):
         """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
-        False keeps dequantised int8-rounded weights instead (the path for CUDA)."""
+        False keeps dequantised int8-rounded weights instead (the path for CUDA). kernels: {matrix:
+        "int8" | "fp32"} for DRAFT_MATRICES (machine.fastest_draft_kernels); None: int8 for every one."""
         if kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         self.kind = kind
@@ -163,12 +184,14 @@ class DraftWeights:
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= backbone.vocab:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
+        every = {m: "int8" for m in DRAFT_MATRICES}
+        self.kernels = {**every, **(kernels or {})} if kind == "int8" and self.kernel else every
         if kind == "int8":              # the head first: the largest matrix, so the two threads end together
-            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in DraftLayer.jobs(layer, self.kernel)]
-            packed = pack_int8(jobs, self.kernel)
-            self.layers = [DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i], self.kernel)
-                           for i, layer in enumerate(backbone.layers)]
-            self.linear = _int8_linear if self.kernel else F.linear
+            jobs = [("head", head_w, None)] + [job for layer in backbone.layers
+                                               for job in DraftLayer.jobs(layer, self.kernel)]
+            packed = pack_chosen(jobs, self.kernels, self.kernel)
+            self.layers = [DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i]) for i, layer in enumerate(backbone.layers)]
+            self.linear = (_int8_linear if self.kernels == every else _mixed_linear) if self.kernel else F.linear
             self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
         else:
             self.layers = backbone.layers
@@ -182,26 +205,33 @@ class DraftWeights:
         if self.channels is not None:
             head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]})" + \
                     (", the rest as their mean" if self.compensated else "")
+        fp32 = [m for m in DRAFT_MATRICES if self.kind == "int8" and self.kernels.get(m) == "fp32"]
+        if fp32:
+            head += f"; {', '.join(MATRIX_WORDS[m] for m in fp32)} in fp32 (faster on this CPU)"
         return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
     def extra_bytes(self, mlp_only: bool = False) -> int:
-        """Memory the draft copy adds beside the fp32 weights (int8 weights + scales). mlp_only: only its
-        MLP matrices (a cut draft's own; its head and attention are the uncut draft's objects)."""
-        names = ("wgu", "wdown") if mlp_only else ("wqkv", "wo", "wgu", "wdown")
-        if self.kind == "fp32" or not self.kernel:     # fp32 (head, cut MLPs) or dequantised copies
-            if self.kind == "fp32":                     # the model's own weights, but cut MLPs are copies
-                weights = [w for layer in self.layers for w in (layer.wgu, layer.wdown)] if self.channels else []
-            else:
-                weights = [getattr(layer, n) for layer in self.layers for n in names]
-            if not mlp_only and (self.kind != "fp32" or self.head.ids is not None):
-                weights.append(self.head.weight)
-            return sum(int(w.numel()) * w.element_size() for w in weights)
+        """Memory the draft holds beside the fp32 weights (int8 weights + scales, and copies: dequantised
+        int8, cut MLPs, a small head). mlp_only: only its MLP matrices (a cut draft's own; its head and
+        attention are the uncut draft's objects)."""
+        copies = self.kind == "int8" and not self.kernel          # dequantised int8-rounded weights
         total = 0
-        for packed in [getattr(layer, n) for layer in self.layers for n in names] + \
-                ([] if mlp_only else [self.head.weight]):
-            w, _ = torch.ops.quantized.linear_unpack(packed)
-            total += w.numel() + 8 * w.shape[0]
+        for layer in self.layers:
+            for name in ("wgu", "wdown") if mlp_only else ("wqkv", "wo", "wgu", "wdown"):
+                total += _held_bytes(getattr(layer, name), copies or (self.channels is not None
+                                                                      and name in ("wgu", "wdown")))
+        if not mlp_only:
+            total += _held_bytes(self.head.weight, copies or self.head.ids is not None)
         return total
+
+
+def _held_bytes(w, copy: bool) -> int:
+    """Bytes a draft matrix adds: prepacked int8 (codes + 8 bytes of scale and zero point a row), or a
+    plain tensor when it is the draft's own copy (not the verifier's weights)."""
+    if not isinstance(w, torch.Tensor):
+        q, _ = torch.ops.quantized.linear_unpack(w)
+        return q.numel() + 8 * q.shape[0]
+    return int(w.numel()) * w.element_size() if copy else 0
 
 
 def frequent_tokens(counts: dict[int, int] | torch.Tensor, n: int, always=()) -> list[int]:
