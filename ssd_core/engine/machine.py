@@ -122,6 +122,9 @@ def fastest_kernels(backbone, refresh: bool = False) -> tuple[str, str]:
 
 # --- the int8 draft's kernel per matrix -----------------------------------------------------------------
 DRAFT_KERNELS = ("int8", "fp32")
+# a mixed draft must beat int8 everywhere by 5% to be chosen: within that, a noisy VM (±6% between
+# identical runs) would flip the cached choice by chance (one background measurement: 50.2 vs 50.7 ms)
+DRAFT_MARGIN = 0.95
 
 
 def draft_matrices(backbone) -> dict:
@@ -189,7 +192,7 @@ def fastest_draft_kernels(backbone, refresh: bool = False, measure_now: bool = T
         if mixed == every:
             return every, {"matrices_us": alone}
         passes = measure_draft_passes(backbone, [every, mixed])
-        return (mixed if passes[1] < passes[0] else every), {
+        return (mixed if passes[1] < DRAFT_MARGIN * passes[0] else every), {
             "matrices_us": alone, "draft_pass_ms": {"int8 everywhere": passes[0], "fastest alone": passes[1]}}
     valid = lambda c: isinstance(c, dict) and set(c) == set(DRAFT_MATRICES) and set(c.values()) <= set(DRAFT_KERNELS)  # noqa: E731
     choice = _cached_choice("draft:" + _choice_key(backbone), backbone, measure, valid, "int8 draft", refresh,
