@@ -8,7 +8,8 @@ Draft kinds (`DraftWeights.kind`):
 - "int8": every decoder matmul and the lm_head as per-output-channel int8 weights, run by PyTorch's
   dynamic-quantisation CPU kernel (`quantized::linear_dynamic`: int8 weights, activations quantised
   per call). Measured on this 2-core AVX2 CPU, one token: 3× faster than fp32 on the 3072×576 gate/up
-  matrix, 2× on down, 5-10× on the 49152×576 lm_head; the small q/k/v and o matrices gain little. The
+  matrix, 2× on down, 5-10× on the 49152×576 lm_head; the small q/k/v and o matrices gain little
+  (on some CPUs they lose alone: `kernels` picks the kernel per matrix, machine.fastest_draft_kernels). The
   other weight-only kernels in PyTorch's CPU build were slower here (int8pack with fp32 activations
   7-10×, int4pack with fp32 activations 10-30× slower; with bf16 activations they sit between).
   That kernel is CPU-only: on another device (CUDA) the int8 draft keeps the same per-channel int8
