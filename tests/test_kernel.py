@@ -212,3 +212,18 @@ def test_the_app_measures_the_draft_kernels_after_start_up(monkeypatch, tmp_path
     assert again is not first and again.kernels == chosen
     monkeypatch.setenv("SSD_DRAFT_KERNEL", "int8")
     assert DraftFactory(tiny_backbone()).int8_kernels() == {m: "int8" for m in DRAFT_MATRICES}
+
+
+def test_building_a_cut_draft_hands_its_fp32_temporaries_back(monkeypatch):
+    """Cut MLPs are made in fp32, then packed: the freed pages go back to the OS (malloc_trim), else
+    the channel calibration's eight cut drafts left the app's RSS 1.2 GB higher for 0.3 GB of drafts."""
+    calls = []
+    monkeypatch.setattr(drafts_module, "release_freed_memory", lambda: calls.append(1))
+    bb = tiny_backbone()
+    inter = bb.layers[0].wdown.shape[1]
+    bb.drafts.install_channels({"math": torch.arange(inter).repeat(bb.n_layers, 1)})
+    skip = SkipSet(set(), set(), "math", channels="math", keep=0.5)
+    bb.drafts.get("int8", True, skip)
+    bb.drafts.get("int8", True, skip)                       # built once
+    assert calls == [1]
+    machine.release_freed_memory()                          # harmless where there is no glibc

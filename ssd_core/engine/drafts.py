@@ -17,7 +17,7 @@ import threading
 import torch
 
 from .draft import DRAFT_MATRICES, DraftLayer, DraftWeights, pack_chosen
-from .machine import fastest_draft_kernels
+from .machine import fastest_draft_kernels, release_freed_memory
 from .skipset import SkipSet
 
 
@@ -203,6 +203,7 @@ class DraftFactory:
             if key not in self._built:  # a cut draft shares the base's head and attention weights
                 self._built[key] = cut_draft(self._built[base], self._bb, self.kept_channels(*channels), channels,
                                              self.channel_means.get(channels[0]))
+                release_freed_memory()  # its fp32 cuts were temporaries
             return self._built[key]
 
     def for_set(self, draft: DraftWeights | None, skip: SkipSet | None):
