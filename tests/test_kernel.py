@@ -210,6 +210,9 @@ def test_the_app_measures_the_draft_kernels_after_start_up(monkeypatch, tmp_path
     assert factory.choose_int8_kernels() == chosen and calls[-1] is True
     again = factory.get("int8", True, None)
     assert again is not first and again.kernels == chosen
+    fixed, measured = tiny_backbone().drafts, len(calls)     # kernels set by hand stay as they are
+    fixed.set_int8_kernels({"o": "fp32"})
+    assert fixed.choose_int8_kernels()["o"] == "fp32" and len(calls) == measured
     monkeypatch.setenv("SSD_DRAFT_KERNEL", "int8")
     assert DraftFactory(tiny_backbone()).int8_kernels() == {m: "int8" for m in DRAFT_MATRICES}
 

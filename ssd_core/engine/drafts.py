@@ -85,6 +85,7 @@ class DraftFactory:
         self._built: dict = {}
         self._kernels: dict | None = None                      # the int8 draft's kernel per matrix
         self.defer_choice = False        # True: do not measure it at the first int8 draft (the app's start-up)
+        self._fixed = False              # set by set_int8_kernels: not measured
         self._lock = threading.Lock()
 
     def int8_kernels(self) -> dict:
@@ -106,10 +107,11 @@ class DraftFactory:
         return self._kernels
 
     def set_int8_kernels(self, kernels: dict | None) -> None:
-        """Fix the int8 draft's kernel per matrix (None: int8 for every one), e.g. for reproducible tests;
-        int8 drafts built before are built again on next use."""
+        """Fix the int8 draft's kernel per matrix (None: int8 for every one), e.g. for reproducible tests:
+        choose_int8_kernels then keeps it. int8 drafts built before are built again on next use."""
         with self._lock:
             self._kernels = {**{m: "int8" for m in DRAFT_MATRICES}, **(kernels or {})}
+            self._fixed = True          # choose_int8_kernels keeps it
             self._built = {k: v for k, v in self._built.items() if k[0] != "int8"}
 
     def choose_int8_kernels(self) -> dict:
@@ -117,6 +119,8 @@ class DraftFactory:
         after start-up); drafts built meanwhile on other kernels are built again on next use."""
         before = self.int8_kernels()
         self.defer_choice = False
+        if self._fixed:
+            return before
         self._kernels = None
         after = self.int8_kernels()
         if after != before:
