@@ -88,10 +88,10 @@ def _int8_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
     return torch.ops.quantized.linear_dynamic(x, packed, False)
 
 
-def _mixed_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    """An int8 draft whose matrices run on different kernels (machine.fastest_draft_kernels): fp32
-    `F.linear` for a plain tensor (the verifier's own weights, or a cut copy), the int8 kernel for
-    prepacked weights (their bias is inside)."""
+def _draft_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    """An int8 draft's matmul: the int8 kernel for prepacked weights (their bias is inside), `F.linear`
+    for a plain tensor — a matrix the draft runs in fp32 (machine.fastest_draft_kernels), a cut copy,
+    or the dequantised int8-rounded weights where there is no int8 kernel (CUDA)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     return torch.ops.quantized.linear_dynamic(x, w, False)
@@ -192,7 +192,7 @@ class DraftWeights:
                                                for job in DraftLayer.jobs(layer, self.kernel)]
             packed = pack_chosen(jobs, self.kernels, self.kernel)
             self.layers = [DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i]) for i, layer in enumerate(backbone.layers)]
-            self.linear = (_int8_linear if self.kernels == every else _mixed_linear) if self.kernel else F.linear
+            self.linear = _draft_linear
             self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
         else:
             self.layers = backbone.layers

@@ -144,8 +144,9 @@ def main(argv=None):
                     "interleaved pairs; ssd_tau, ssd_alpha and ssd_non_forward_share are the last pair's")
     if args.core_out:
         Path(args.core_out).write_text(json.dumps(core, indent=2) + "\n")
+    cpu = cpu_info()
     res = {
-        "cpu": cpu_info()["model"], "cpu_flags": cpu_info()["flags"], "threads": args.threads, "n_gen": args.n,
+        "cpu": cpu["model"], "cpu_flags": cpu["flags"], "threads": args.threads, "n_gen": args.n,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
         "seconds": round(time.time() - t0, 1),
         "load_note": {"loadavg_1min_start": load_start, "loadavg_1min_end": load_end, "cores": os.cpu_count(),
