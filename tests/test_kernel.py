@@ -12,7 +12,7 @@ from hf_reference import hf_greedy
 from ssd_core.engine import backbone as backbone_module, drafts as drafts_module, machine
 from ssd_core.engine.draft import DRAFT_MATRICES, DraftWeights
 from ssd_core.engine.drafts import DraftFactory
-from ssd_core.engine.weights import LayerWeights, onednn_available
+from ssd_core.engine.weights import onednn_available
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet
@@ -60,18 +60,34 @@ def test_auto_measures_each_pass_shape_once_and_caches_the_choice_per_cpu(monkey
 
 
 @needs_onednn
+def test_auto_may_choose_the_split_kernel_for_one_row_and_keeps_only_the_copies_it_uses(monkeypatch, tmp_path):
+    """On an AMD EPYC a one-row GEMM ran on one thread: the weights cut into a slab per thread won one row."""
+    monkeypatch.delenv("SSD_KERNEL", raising=False)
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "measure_kernels", lambda bb, **kw: {
+        1: {"plain": 0.060, "onednn": 0.048, "split": 0.037}, 5: {"plain": 0.12, "onednn": 0.07, "split": 0.095}})
+    bb = tiny_backbone()
+    assert bb.kernel == "split/onednn" and set(bb._copies) == {"split", "onednn"}
+    assert bb._targets[0][0][0].wqkv.dim() == 3              # (slabs, in, out / slabs)
+    x = torch.randn(1, bb.hidden)
+    torch.testing.assert_close(bb.head_logits(x), torch.nn.functional.linear(x, bb.lm_head), rtol=1e-5, atol=1e-5)
+    bb.set_kernel("plain")
+    assert bb._copies == {}
+
+
+@needs_onednn
 def test_plain_wins_everywhere_drops_the_packed_copy(monkeypatch, tmp_path):
     monkeypatch.delenv("SSD_KERNEL", raising=False)
     monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "measure_kernels",
                         lambda bb, **kw: {1: {"plain": 1.0, "onednn": 2.0}, 5: {"plain": 1.0, "onednn": 2.0}})
     bb = tiny_backbone()
-    assert bb.kernel == "plain" and bb._packed is None
+    assert bb.kernel == "plain" and bb._copies == {}
 
 
 def test_kernels_are_selectable_by_name_and_environment(monkeypatch):
     bb = tiny_backbone()
-    for name in ("plain", "onednn", "plain/onednn", "onednn/plain"):
+    for name in ("plain", "onednn", "split", "plain/onednn", "split/onednn", "onednn/plain"):
         if "onednn" in name and not onednn_available(torch.device("cpu"), torch.float32):
             continue
         bb.set_kernel(name)
@@ -79,7 +95,7 @@ def test_kernels_are_selectable_by_name_and_environment(monkeypatch):
     monkeypatch.setenv("SSD_KERNEL", "plain")
     assert tiny_backbone().kernel == "plain"
     for bad in ("fast", "plain/fast", "/onednn"):
-        with pytest.raises(ValueError, match="auto, plain or onednn"):
+        with pytest.raises(ValueError, match="auto, plain, onednn or split"):
             bb.set_kernel(bad)
 
 
@@ -95,14 +111,14 @@ def test_measuring_packs_the_weights_once_and_puts_the_kernels_back(monkeypatch)
     of a cold start-up), and the backbone decodes on its own kernels afterwards."""
     bb = tiny_backbone()
     bb.set_kernel("plain")
-    packs = []
-    real = backbone_module.onednn_pack
-    monkeypatch.setattr(backbone_module, "onednn_pack", lambda w: packs.append(1) or real(w))
-    real_layer = LayerWeights.packed
-    monkeypatch.setattr(LayerWeights, "packed", lambda L: packs.append(1) or real_layer(L))
+    packs = {"onednn": 0, "split": 0}
+    for kernel in packs:
+        real = getattr(backbone_module, f"{kernel}_pack")
+        monkeypatch.setattr(backbone_module, f"{kernel}_pack",
+                            lambda *a, real=real, kernel=kernel: packs.update({kernel: packs[kernel] + 1}) or real(*a))
     machine.measure_kernels(bb, rows=(1, 3), repeats=3)
-    assert len(packs) == 1 + len(bb.layers)           # the lm_head and each layer, once
-    assert bb.kernel == "plain" and bb._packed is None
+    assert packs == {k: 4 * len(bb.layers) + 1 for k in packs}     # every matrix and the lm_head, once a copy
+    assert bb.kernel == "plain" and bb._copies == {}
 
 
 def test_onednn_needs_fp32_on_a_cpu():
@@ -111,11 +127,12 @@ def test_onednn_needs_fp32_on_a_cpu():
 
 
 @needs_onednn
+@pytest.mark.parametrize("kernel", ["onednn", "split"])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_onednn_logits_match_plain(prompt):
+def test_repacked_logits_match_plain(prompt, kernel):
     bb = tiny_backbone()
     ids = bb.encode(prompt)
-    bb.set_kernel("onednn")
+    bb.set_kernel(kernel)
     fast = _logits(bb, ids)
     bb.set_kernel("plain")
     plain = _logits(bb, ids)
@@ -131,7 +148,7 @@ def test_both_kernels_decode_like_transformers():
     for prompt in PROMPTS:
         ids = bb.encode(prompt)
         ref = hf_greedy(bb, ids, 40)
-        for kernel in ("onednn", "plain", "plain/onednn", "onednn/plain"):
+        for kernel in ("onednn", "plain", "split", "plain/onednn", "onednn/plain", "split/onednn"):
             bb.set_kernel(kernel)
             for strategy in (Autoregressive(), Static(SkipSet(frozenset({0, 2}), frozenset({1, 3})))):
                 assert generate(bb, ids, strategy, cfg).token_ids == ref, (prompt, kernel, strategy)

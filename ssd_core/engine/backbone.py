@@ -21,8 +21,8 @@ from .kv_cache import KVCache
 from .machine import KERNELS, fastest_kernels
 from .prompt import PromptIds, encode_prompt
 from .skipset import SkipSet
-from .weights import (LayerWeights, ModelWeights, onednn_available, onednn_linear, onednn_pack, weights_from_hf,
-                      weights_from_state)
+from .weights import (LayerWeights, ModelWeights, onednn_available, onednn_linear, onednn_pack, split_linear,
+                      split_pack, weights_from_hf, weights_from_state)
 
 EMPTY = SkipSet.empty()
 
@@ -116,7 +116,7 @@ class Backbone:
         self.embedding_kind = DEFAULT_EMBEDDING     # Prefill.embedding's pooling (the calibration's, set_embedding)
         self._lock = threading.Lock()   # guards the lazily built reference model
         self.kernel = ""                # the verifier's matmuls: "plain", "onednn" or "ONE/MANY" (set_kernel)
-        self._packed = None             # the oneDNN-prepacked copy, when a pass shape uses it
+        self._copies = {}               # kernel → repacked copy of the weights ("onednn", "split"), while used
         self.set_kernel(os.environ.get("SSD_KERNEL", "auto"))
 
     def set_kernel(self, kernel: str = "auto") -> None:
@@ -125,11 +125,13 @@ class Backbone:
         "plain": F.linear on the weights as loaded. "onednn": the same fp32 weights prepacked once into
         oneDNN's blocked layout (a second copy, +4 bytes per parameter), which handles a few rows better
         than PyTorch's default fp32 GEMM (~1.9× for a 5-token verify on one Xeon) but may lose on one
-        row. Same weights, same fp32 arithmetic up to summation order (≈1e-4 on the logits, as between
-        a 1-row and a 5-row pass already). "ONE/MANY", e.g. "plain/onednn": one kernel for one-row
-        passes (plain decoding, fp32 draft steps), another for several rows (verification, prefill).
-        "auto": on a CPU in fp32, the fastest of each on this machine, measured once and cached
-        (machine.fastest_kernels); elsewhere plain.
+        row. "split": the weights transposed and cut into one slab per thread, multiplied as one batched
+        matmul (also a copy; on an AMD EPYC a one-row step 48.5 → 36.8 ms against oneDNN, because there
+        a one-row GEMM runs on one thread). Same weights, same fp32 arithmetic up to summation order
+        (≈1e-4 on the logits, as between a 1-row and a 5-row pass already). "ONE/MANY", e.g.
+        "plain/onednn": one kernel for one-row passes (plain decoding, fp32 draft steps), another for
+        several rows (verification, prefill). "auto": on a CPU in fp32, the fastest of each on this
+        machine, measured once and cached (machine.fastest_kernels); elsewhere plain.
         """
         usable = onednn_available(self.device, self.dtype)
         if kernel == "auto":
@@ -138,8 +140,8 @@ class Backbone:
             one, _, many = kernel.partition("/")
             many = many or one
             if one not in KERNELS or many not in KERNELS:
-                raise ValueError(f"kernel must be auto, plain or onednn (or ONE/MANY, e.g. plain/onednn), "
-                                 f"got {kernel!r}")
+                raise ValueError(f"kernel must be auto, {', '.join(KERNELS[:-1])} or {KERNELS[-1]} (or ONE/MANY, "
+                                 f"e.g. plain/onednn), got {kernel!r}")
         if "onednn" in (one, many) and not usable:
             raise ValueError(f"oneDNN prepacked matmuls need fp32 weights on a CPU with mkldnn (here: "
                              f"{self.dtype} on {self.device})")
@@ -147,22 +149,25 @@ class Backbone:
 
     def use_kernels(self, one: str, many: str, keep_packed: bool = False) -> None:
         """Run one-row passes on kernel `one` and several-row passes on `many` (KERNELS; no checks).
-        keep_packed: keep the prepacked copy even when neither kernel reads it (while switching back and
-        forth to measure them: packing all the weights takes ~0.3 s on two cores)."""
+        keep_packed: keep the repacked copies even when neither kernel reads them (while switching back
+        and forth to measure them: repacking all the weights takes ~0.3 s on two cores)."""
         def target(kernel):
             if kernel == "plain":
                 return self.layers, F.linear, self.lm_head
-            if self._packed is None:
-                self._packed = ([L.packed() for L in self.layers], onednn_linear, onednn_pack(self.lm_head))
-            return self._packed
+            if kernel not in self._copies:
+                threads = torch.get_num_threads()
+                pack, lin = {"onednn": (onednn_pack, onednn_linear),
+                             "split": (lambda w: split_pack(w, threads), split_linear)}[kernel]
+                self._copies[kernel] = ([L.packed(pack) for L in self.layers], lin, pack(self.lm_head))
+            return self._copies[kernel]
         self._targets = (target(one), target(many))
-        if "onednn" not in (one, many) and not keep_packed:
-            self._packed = None               # the prepacked copy costs 4 bytes a parameter: drop it
+        if not keep_packed:                 # a copy costs 4 bytes a parameter: keep only those in use
+            self._copies = {k: v for k, v in self._copies.items() if k in (one, many)}
         self.kernel = one if one == many else f"{one}/{many}"
 
     def weights_changed(self) -> None:
-        """Call after editing the weights in place: the packed copy and the drafts are made again."""
-        self._packed = None
+        """Call after editing the weights in place: the repacked copies and the drafts are made again."""
+        self._copies = {}
         self.drafts.clear()
         self.set_kernel(self.kernel)
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 # instruction sets that change which kernel wins (recorded with every choice and every latency profile)
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
                 "amx_bf16", "asimd", "sve")
-KERNELS = ("plain", "onednn")
+KERNELS = ("plain", "onednn", "split")   # Backbone.set_kernel
 CHOICE_FILE = "kernels.json"
 
 
@@ -86,7 +86,7 @@ def release_freed_memory() -> None:
 def _choice_key(backbone) -> str:
     shape = (backbone.n_layers, backbone.hidden, backbone.layers[0].wdown.shape[1], backbone.vocab,
              str(backbone.dtype))
-    text = json.dumps([cpu_info(), torch.__version__, shape], sort_keys=True)
+    text = json.dumps([cpu_info(), torch.__version__, shape, KERNELS], sort_keys=True)   # a new kernel: measure again
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -125,7 +125,7 @@ def fastest_kernels(backbone, refresh: bool = False) -> tuple[str, str]:
     measured now (≈ 2 s for SmolLM2-135M on 2 cores) and cached. refresh: measure again."""
     def measure():
         timing = measure_kernels(backbone)
-        choice = [min(KERNELS, key=timing[r].get) for r in sorted(timing)]
+        choice = [min(timing[r], key=timing[r].get) for r in sorted(timing)]
         return choice, {str(r): {k: round(1000 * s, 3) for k, s in by.items()} for r, by in timing.items()}
     valid = lambda c: isinstance(c, list) and len(c) == 2 and all(k in KERNELS for k in c)   # noqa: E731
     return tuple(_cached_choice(_choice_key(backbone), backbone, measure, valid, "verifier", refresh))

@@ -3,7 +3,8 @@
 A transformers Llama-family model (or a plain Llama state dict) becomes `ModelWeights`: the
 embedding, final norm, lm_head, rotary tables and one `LayerWeights` per decoder layer, whose q/k/v
 and gate/up matrices are concatenated so a layer costs two matmuls fewer. The verifier's matmuls may
-run on oneDNN-prepacked copies of the same fp32 weights (`onednn_pack`; Backbone.set_kernel).
+run on oneDNN-prepacked copies of the same fp32 weights (`onednn_pack`) or on transposed copies cut
+into one slab per thread (`split_pack`); Backbone.set_kernel chooses.
 """
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ def onednn_linear(x, w, b=None):
 
 def onednn_pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+def split_pack(w: torch.Tensor, parts: int) -> torch.Tensor:
+    """`w` (out, in) transposed and cut along its outputs into `parts` contiguous slabs: (parts, in, out/parts).
+    One slab per thread: `split_linear` multiplies them as one batched matmul, which PyTorch spreads over
+    its threads (a one-row `F.linear` reads the whole matrix on one of them on some CPUs). parts=1 where
+    the outputs do not divide evenly."""
+    parts = parts if parts > 1 and w.shape[0] % parts == 0 else 1
+    return w.t().reshape(w.shape[1], parts, w.shape[0] // parts).transpose(0, 1).contiguous()
+
+
+def split_linear(x, w, b=None):
+    """x @ W.T (+ b) with W packed by `split_pack`: each slab's outputs, side by side."""
+    parts, _, n = w.shape
+    y = torch.bmm(x.expand(parts, *x.shape), w)
+    y = y.view(1, parts * n) if x.shape[0] == 1 else y.transpose(0, 1).reshape(x.shape[0], parts * n)
+    return y if b is None else y + b
 
 
 def onednn_available(device: torch.device, dtype) -> bool:
@@ -51,11 +69,12 @@ class LayerWeights:
         self.wgu = torch.cat([gate.detach(), up.detach()]).contiguous()
         self.wdown = down.detach()
 
-    def packed(self) -> "LayerWeights":
-        """The same layer with its matrices prepacked for `_onednn_linear` (norms and biases as they are)."""
+    def packed(self, pack=onednn_pack) -> "LayerWeights":
+        """The same layer with its matrices repacked by `pack` (default: prepacked for `onednn_linear`);
+        norms and biases as they are."""
         out = LayerWeights.__new__(LayerWeights)
         out.ln1, out.ln2, out.bqkv = self.ln1, self.ln2, self.bqkv
-        out.wqkv, out.wo, out.wgu, out.wdown = (onednn_pack(w) for w in (self.wqkv, self.wo, self.wgu, self.wdown))
+        out.wqkv, out.wo, out.wgu, out.wdown = (pack(w) for w in (self.wqkv, self.wo, self.wgu, self.wdown))
         return out
 
     @classmethod
