@@ -116,4 +116,4 @@ def test_a_cold_start_parses_the_gguf_once(tmp_path, monkeypatch):
     monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path))
     bb = loading.load_backbone(threads=2)
     assert len(built) == 1 and bb.n_layers == 30
-    assert (next(tmp_path.iterdir()) / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir() if (p / "model.safetensors").exists()]   # beside kernels.json
