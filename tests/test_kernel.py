@@ -12,7 +12,7 @@ from hf_reference import hf_greedy
 from ssd_core.engine import backbone as backbone_module, drafts as drafts_module, machine
 from ssd_core.engine.draft import DRAFT_MATRICES, DraftWeights
 from ssd_core.engine.drafts import DraftFactory
-from ssd_core.engine.weights import onednn_available
+from ssd_core.engine.weights import onednn_available, split_linear, split_pack
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.generate import generate
 from ssd_core.engine.skipset import SkipSet
@@ -119,6 +119,17 @@ def test_measuring_packs_the_weights_once_and_puts_the_kernels_back(monkeypatch)
     machine.measure_kernels(bb, rows=(1, 3), repeats=3)
     assert packs == {k: 4 * len(bb.layers) + 1 for k in packs}     # every matrix and the lm_head, once a copy
     assert bb.kernel == "plain" and bb._copies == {}
+
+
+@pytest.mark.parametrize("out, parts, rows", [(12, 2, 1), (12, 3, 4), (7, 2, 1), (7, 2, 3), (12, 1, 2)])
+def test_split_linear_is_the_same_matmul_for_any_slab_count_and_row_count(out, parts, rows):
+    """Slabs side by side give W's outputs in order; outputs that do not divide evenly fall back to one
+    slab; the bias is added once."""
+    w, b, x = torch.randn(out, 10), torch.randn(out), torch.randn(rows, 10)
+    packed = split_pack(w, parts)
+    assert packed.shape == ((parts, 10, out // parts) if out % parts == 0 else (1, 10, out))
+    torch.testing.assert_close(split_linear(x, packed), x @ w.T)
+    torch.testing.assert_close(split_linear(x, packed, b), x @ w.T + b)
 
 
 def test_onednn_needs_fp32_on_a_cpu():
