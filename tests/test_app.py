@@ -1,6 +1,7 @@
 """The app's handlers and views, driven directly (no browser): the tiny model and its calibration.
 
 The handlers (viz.handlers, viz.walk_handlers) return named outputs; app.py only adapts them to Gradio."""
+import html
 import json
 import shutil
 
@@ -253,7 +254,7 @@ def test_race_vs_static_measures_the_routed_draft_against_the_static_one(studio)
     assert race.against == "static draft" and race.identical is True and race.tokens == race.ar_tokens
     assert race.tau == pytest.approx(outs[-1]["session"].run.stats.tau) and race.against_tau > 0
     assert race.sets[1] == cal.static.words()
-    panel = column(outs, "race")[-1]
+    panel = html.unescape(column(outs, "race")[-1])           # "Routing's" is escaped in the HTML
     assert "static draft" in panel and f"τ {race.against_tau:.2f}" in panel and "✓ identical" in panel
     routed = outs[-1]["session"].run.skip
     assert race.same_draft == routed.same_draft(cal.static)

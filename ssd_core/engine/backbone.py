@@ -152,18 +152,21 @@ class Backbone:
         keep_packed: keep the repacked copies even when neither kernel reads them (while switching back
         and forth to measure them: repacking all the weights takes ~0.3 s on two cores)."""
         def target(kernel):
-            if kernel == "plain":
-                return self.layers, F.linear, self.lm_head
-            if kernel not in self._copies:
-                threads = torch.get_num_threads()
-                pack, lin = {"onednn": (onednn_pack, onednn_linear),
-                             "split": (lambda w: split_pack(w, threads), split_linear)}[kernel]
-                self._copies[kernel] = ([L.packed(pack) for L in self.layers], lin, pack(self.lm_head))
-            return self._copies[kernel]
+            return (self.layers, F.linear, self.lm_head) if kernel == "plain" else self._copies[kernel]
+        for kernel in (one, many):
+            if kernel != "plain" and kernel not in self._copies:
+                self._copies[kernel] = self._repacked(kernel)
         self._targets = (target(one), target(many))
         if not keep_packed:                 # a copy costs 4 bytes a parameter: keep only those in use
             self._copies = {k: v for k, v in self._copies.items() if k in (one, many)}
         self.kernel = one if one == many else f"{one}/{many}"
+
+    def _repacked(self, kernel: str):
+        """(layers, linear, lm_head) of the weights repacked for `kernel` ("onednn" or "split")."""
+        threads = torch.get_num_threads()
+        pack, lin = {"onednn": (onednn_pack, onednn_linear),
+                     "split": (lambda w: split_pack(w, threads), split_linear)}[kernel]
+        return [L.packed(pack) for L in self.layers], lin, pack(self.lm_head)
 
     def weights_changed(self) -> None:
         """Call after editing the weights in place: the repacked copies and the drafts are made again."""
