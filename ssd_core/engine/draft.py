@@ -92,9 +92,7 @@ def _draft_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     """An int8 draft's matmul: the int8 kernel for prepacked weights (their bias is inside), `F.linear`
     for a plain tensor — a matrix the draft runs in fp32 (machine.fastest_draft_kernels), a cut copy,
     or the dequantised int8-rounded weights where there is no int8 kernel (CUDA)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
-    return torch.ops.quantized.linear_dynamic(x, w, False)
+    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else _int8_linear(x, w)
 
 
 def _int8_rounded(w: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,6 @@ def measure_draft_kernels(backbone, calls: int = 20, rounds: int = 5) -> dict:
     """µs of one token through each draft matrix (DRAFT_MATRICES) under the int8 dynamic-quantisation
     kernel and under fp32 `F.linear` on the verifier's own weights: {matrix: {kernel: µs}}, the best of
     `rounds` interleaved rounds (noise only ever adds time)."""
-    import torch.nn.functional as F
     from .draft import DRAFT_MATRICES, _int8_linear, _int8_pack
     best = {m: {k: float("inf") for k in DRAFT_KERNELS} for m in DRAFT_MATRICES}
     runs = {}
