@@ -25,6 +25,15 @@ def tiny():
     return tiny_backbone()
 
 
+@pytest.fixture
+def cached_tiny(tiny, tmp_path):
+    """The tiny model saved as a warm model cache (what `load_backbone` writes after a GGUF conversion)."""
+    from ssd_core.engine import loading
+    folder = tmp_path / "tiny-cache"
+    loading._save_plain(tiny.hf_model.state_dict(), tiny.hf_model.config, tiny.tokenizer, folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     """The empty model cache `real_model` converts the GGUF into (and later loads can read)."""

@@ -32,13 +32,6 @@ def assert_same_backbone(a: Backbone, b: Backbone) -> None:
     assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
 
 
-@pytest.fixture
-def cached_tiny(tiny, tmp_path):
-    folder = tmp_path / "tiny-cache"
-    loading._save_plain(tiny.hf_model.state_dict(), tiny.hf_model.config, tiny.tokenizer, folder)
-    return folder
-
-
 def _load(folder):
     return loading._load_cached(folder, torch.float32, "tiny-cached", CPU, 8192)
 

@@ -1,12 +1,13 @@
 """Model loading: the embedded GGUF, a .gguf path, a local HF folder or an HF id → a Backbone.
 
 A GGUF is dequantised once (numpy, seconds) and kept as plain safetensors in the user cache. A
-restart reads that cache straight into a Backbone (`_load_cached`: safetensors + the fast tokenizer,
-without importing transformers' model classes) in about a second; transformers' model of the same
-weights, the reference for lossless checks, is built only when something asks for it.
+restart reads that cache straight into a Backbone (`_load_cached`: safetensors + `tokenizer.json` read
+by the `tokenizers` library, see tokenizer.py) in about a second, without importing transformers at
+all; transformers' model of the same weights, the reference for lossless checks, is built only when
+something asks for it.
 
 transformers, gguf and safetensors are imported inside the functions that need them, on purpose:
-importing transformers' model classes alone takes ~3 s, which a warm start-up does not pay.
+importing transformers takes ~2 s and its model classes ~3 s more, which a warm start-up does not pay.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 from .backbone import Backbone
 from .device import resolve_device
 from .machine import cache_dir
+from .tokenizer import CachedTokenizer
 from .weights import UnsupportedModelError, plain_llama_rope_theta
 
 log = logging.getLogger(__name__)
@@ -77,8 +79,10 @@ def _load_cached(folder: Path, dtype, name: str, device, max_positions: int) -> 
         return None
     try:
         from safetensors.torch import load_file
-        from transformers import PreTrainedTokenizerFast
-        tok = PreTrainedTokenizerFast.from_pretrained(folder)
+        tok = CachedTokenizer.read(folder)
+        if tok is None:          # options only transformers reproduces
+            from transformers import PreTrainedTokenizerFast
+            tok = PreTrainedTokenizerFast.from_pretrained(folder)
         state = {k: v.to(dtype) for k, v in load_file(folder / "model.safetensors", device=str(device)).items()}
         bb = Backbone.from_llama_state(state, config, tok, name, partial(_hf_from_folder, folder, dtype, device),
                                        max_positions)
