@@ -20,6 +20,11 @@ T_LAUNCH = time.perf_counter()     # start-up is timed from here: what someone r
 # of 16 ms. On a CPU shared with other heavy jobs, set OMP_WAIT_POLICY=PASSIVE before starting.
 # numba's threading layer (UMAP) is set where the resources load, in viz.studio.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")   # no usage data leaves the server (docs/space.md)
+if __name__ == "__main__":
+    # A script is never a notebook: gradio imports IPython for its notebook magics when it is installed
+    # (0.6 s of a warm start-up on 2 cores); marked absent, gradio's own ImportError fallbacks apply.
+    import sys
+    sys.modules.setdefault("IPython", None)
 
 import argparse
 import inspect

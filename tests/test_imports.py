@@ -122,3 +122,15 @@ def test_the_core_imports_no_ui_and_every_module_imports():
             f"for m in {views!r}: importlib.import_module(m)\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_the_app_script_skips_ipython():
+    """`python app.py` marks IPython absent before gradio would import it for notebook magics (0.6 s of
+    a warm start-up where IPython is installed); gradio's ImportError fallbacks take over."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['app.py', '--help']\n"
+            "try:\n    runpy.run_path('app.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "assert sys.modules.get('IPython') is None, sys.modules['IPython']\n"
+            "assert 'gradio' in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -2,6 +2,9 @@
 folder: the same ids, the same decoded text, the same chat text, the same special tokens."""
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -9,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 from ssd_core.engine import loading
 from ssd_core.engine.tokenizer import CachedTokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["", "Hello there, what is 2+2?", "  leading and trailing spaces  ", "line one\nline two\n\n\ttabbed",
          "def f(x):\n    return x ** 2  # square", "Übersetze: Der Zug fährt um acht Uhr ab. 東京は晴れ 🚆",
          "who wrote the origin of species", "special tokens typed as text: <s> </s> <|im_start|>user <|im_end|>"]
@@ -63,3 +67,13 @@ def test_the_default_models_cached_tokenizer_equals_transformers(real_model, mod
     ours = CachedTokenizer.read(folder)
     assert ours is not None and ours.eos_token == "<|im_end|>"
     assert_same(ours, PreTrainedTokenizerFast.from_pretrained(folder), random.Random(1))
+
+
+def test_a_warm_load_does_not_import_transformers(cached_tiny):
+    """The point of CachedTokenizer: importing transformers cost ~2 s of a warm start-up."""
+    code = ("import sys, torch\nfrom pathlib import Path\nfrom ssd_core.engine import loading\n"
+            f"bb = loading._load_cached(Path({str(cached_tiny)!r}), torch.float32, 'tiny', torch.device('cpu'), 512)\n"
+            "assert bb is not None and bb.encode('warm').ids\n"
+            "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
