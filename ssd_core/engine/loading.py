@@ -27,7 +27,7 @@ import torch
 from .backbone import Backbone
 from .device import resolve_device
 from .machine import cache_dir
-from .tokenizer import CachedTokenizer
+from .tokenizer import FAST_TOKENIZER_CLASSES, CachedTokenizer
 from .weights import UnsupportedModelError, plain_llama_rope_theta
 
 log = logging.getLogger(__name__)
@@ -64,22 +64,19 @@ def model_cache_ready(spec: str | None = None, dtype=torch.float32) -> bool:
         return False
 
 
-_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
 def _load_cached(folder: Path, dtype, name: str, device, max_positions: int) -> Backbone | None:
     """The warm path: a cached plain Llama read straight into a Backbone, without transformers' model
     class (see `Backbone.from_llama_state`). None when there is no such cache: load the usual way."""
     try:
         config = json.loads((folder / "config.json").read_text())
-        tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return None
-    if plain_llama_rope_theta(config) is None or tokenizer_class not in _FAST_TOKENIZERS:
+    if plain_llama_rope_theta(config) is None or tok_config.get("tokenizer_class") not in FAST_TOKENIZER_CLASSES:
         return None
     try:
         from safetensors.torch import load_file
-        tok = CachedTokenizer.read(folder)
+        tok = CachedTokenizer.read(folder, tok_config)
         if tok is None:          # options only transformers reproduces
             from transformers import PreTrainedTokenizerFast
             tok = PreTrainedTokenizerFast.from_pretrained(folder)

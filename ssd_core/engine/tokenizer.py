@@ -19,7 +19,7 @@ _SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # tokenizer_config.json keys that change nothing this class has to reproduce
 _INERT = {"backend", "tokenizer_class", "model_max_length", "is_local", "local_files_only",
           "extra_special_tokens", "additional_special_tokens", "added_tokens_decoder"}
-_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")   # both: tokenizer.json
 
 
 @dataclass
@@ -33,7 +33,7 @@ class CachedTokenizer:
 
     def __init__(self, backend, specials: dict[str, str | None], chat_template: str | None):
         self._backend = backend
-        self._specials = specials
+        self._template_tokens = {k: v for k, v in specials.items() if v is not None}
         self.chat_template = chat_template
         self._template = None
         for key, token in specials.items():
@@ -41,13 +41,14 @@ class CachedTokenizer:
             setattr(self, key + "_id", None if token is None else backend.token_to_id(token))
 
     @classmethod
-    def read(cls, folder: Path) -> CachedTokenizer | None:
-        """The tokenizer saved in `folder`, or None where only transformers can load it faithfully."""
+    def read(cls, folder: Path, config: dict | None = None) -> CachedTokenizer | None:
+        """The tokenizer saved in `folder`, or None where only transformers can load it faithfully.
+        config: its tokenizer_config.json, where the caller has read it already."""
         try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+            config = config if config is not None else json.loads((folder / "tokenizer_config.json").read_text())
         except (OSError, ValueError):
             return None
-        if config.get("tokenizer_class") not in _TOKENIZER_CLASSES or not (folder / "tokenizer.json").exists():
+        if config.get("tokenizer_class") not in FAST_TOKENIZER_CLASSES or not (folder / "tokenizer.json").exists():
             return None
         unknown = set(config) - _INERT - set(_SPECIALS) - {"clean_up_tokenization_spaces", "chat_template"}
         specials = {key: config.get(key) for key in _SPECIALS}
@@ -75,9 +76,8 @@ class CachedTokenizer:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile(self.chat_template)
-        specials = {k: v for k, v in self._specials.items() if v is not None}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=None, documents=None, **specials)
+                                     tools=None, documents=None, **self._template_tokens)
 
 
 def _compile(source: str):
