@@ -128,7 +128,6 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     folder = Path(calibration) if calibration else cal_io.default_folder(spec)
     cold = backbone is None and not core_loading.model_cache_ready(spec)
     bb = backbone or core_loading.load_backbone(spec, threads=threads, device=device)
-    bb.drafts.defer_choice = map_in_background   # the draft's kernel choice is measured after start-up
     t_model = time.perf_counter() - t0
     prompts = load_prompts()
     examples = {d: split(p)[1] or p for d, p in prompts.items()}
@@ -149,7 +148,6 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     others = [c for c in studio.choices.values() if c.calibration is not cal]
 
     def prepare_map():
-        bb.drafts.choose_int8_kernels()          # before the latency profile, which times the draft
         why = refresh_latency(studio, cal, [c.calibration for c in others])
         if why and map_in_background:
             print(f"latency model re-measured on this machine in {studio.timings['latency_s']} s ({why})", flush=True)

@@ -130,9 +130,6 @@ class LatencyModel:
                 return f"profiled on {cpu_words(cpu)}, running on {cpu_words(cpu_info())}"
         if self.machine.get("kernel", backbone.kernel) != backbone.kernel:
             return f"profiled with the {self.machine['kernel']} verifier kernel, running {backbone.kernel}"
-        drafted = self.machine.get("draft_kernels")
-        if drafted is not None and drafted != backbone.drafts.int8_kernels():
-            return "profiled with the int8 draft's matrices on other kernels"
         return None
 
     def verify_cost(self, k: int) -> float:
@@ -287,8 +284,7 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
     for k in sorted(verify):
         running = verify[k] = max(verify[k], running)
     machine = {"processor": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "verify_context": ref, "kernel": bb.kernel, "cpu": cpu_info(),
-               "draft_kernels": bb.drafts.int8_kernels()}
+               "torch": torch.__version__, "verify_context": ref, "kernel": bb.kernel, "cpu": cpu_info()}
     points = full.pop("points")
     return LatencyModel(n_layers=bb.n_layers, verify=verify, measured=points, machine=machine,
                         drafts=kinds, device=device_label(bb.device), **full)
