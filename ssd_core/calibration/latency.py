@@ -7,6 +7,7 @@ KnapSpec, the `auto` policy and the app's cost panel say about speed comes from 
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import time
@@ -85,7 +86,15 @@ class LatencyModel:
         words = self.device
         if self.device == "cpu" and threads:
             words = f"cpu ({threads} thread{'' if threads == 1 else 's'})"
-        return words + (", re-measured at this app's start" if self.machine.get("at_start") else "")
+        where = self.machine.get("source")
+        if self.machine.get("provisional"):
+            where = "provisional: not measured on this machine yet"
+        return words + (f", {where}" if where else "")
+
+    @property
+    def provisional(self) -> bool:
+        """True while these costs come from another machine and this one's are still being measured."""
+        return bool(self.machine.get("provisional"))
 
     # --- costs -------------------------------------------------------------------------------
     def attn_time(self, context_len: int) -> float:
@@ -103,11 +112,7 @@ class LatencyModel:
 
     def step_time(self, skip: SkipSet = EMPTY, context_len: int = 256, kind: str = "fp32") -> float:
         """One single-token forward; `kind` names the draft weights it reads (fp32 = the model's own)."""
-        L = self.n_layers
-        c = self._costs(kind)
-        attn, mlp = self.sublayer_times(context_len, kind)
-        # a set that keeps part of each MLP's channels (SkipSet.keep) reads that share of its weights
-        return c["overhead"] + c["head"] + (L - len(skip.attn)) * attn + (L - len(skip.mlp)) * mlp * skip.keep
+        return self.pass_time(1, context_len, kind, skip)
 
     def draft_cost(self, skip: SkipSet, context_len: int = 256, kind: str = "fp32") -> float:
         """c: one draft step relative to one full step."""
@@ -174,6 +179,42 @@ class LatencyModel:
                 "head_ms": 1000 * self.head, "overhead_ms": 1000 * self.overhead,
                 "acceptance": acceptance, "gamma": gamma, "context_len": context_len}
 
+    # --- one schema for every pass ----------------------------------------------------------------
+    def pass_time(self, tokens: int = 1, context_len: int = 256, kind: str = "fp32", skip: SkipSet = EMPTY,
+                  rows: int = 1, kv_share: float = 1.0) -> float:
+        """Seconds of one forward pass: `rows` sequences of `tokens` new tokens each, at `context_len`
+        past tokens, on the weights of `kind` with `skip`'s sublayers left out, reading `kv_share` of
+        the cache (attention's context term is the KV it reads). A plain step is (1, C); a draft pass
+        (1, C, "int8", S); a verification pass (γ + 1, C). Only one row is profiled so far: a batched
+        profile extends `verify` by rows."""
+        if rows != 1:
+            raise ValueError("this latency model was profiled for one row at a time")
+        L, c = self.n_layers, self._costs(kind)
+        attn = c["attn_a"] + c["attn_b"] * context_len * kv_share
+        # a set that keeps part of each MLP's channels (SkipSet.keep) reads that share of its weights
+        one = c["overhead"] + c["head"] + (L - len(skip.attn)) * attn + (L - len(skip.mlp)) * c["mlp"] * skip.keep
+        return one if tokens == 1 else one * self.verify_cost(tokens)
+
+    def run_time(self, steps, kind: str = "fp32") -> tuple[float, float]:
+        """(seconds the model predicts for a run's steps as they ran — each step's model drafts, lookup
+        drafts (free), verified length and context —, seconds it predicts for plain decoding of the same
+        tokens). Their ratio is the speedup this model predicts for what the run did."""
+        spec = plain = 0.0
+        for s in steps:
+            ctx, k = s.context_len, len(s.drafted)
+            if s.skip is None:
+                spec += self.pass_time(1, ctx)
+            else:
+                if s.source == "model":
+                    spec += sum(self.pass_time(1, ctx + i, kind, s.skip) for i in range(k))
+                spec += self.pass_time(k + 1, ctx)
+            plain += sum(self.pass_time(1, ctx + i) for i in range(len(s.committed)))
+        return spec, plain
+
+    def predicted_run_speedup(self, steps, kind: str = "fp32") -> float | None:
+        spec, plain = self.run_time(steps, kind)
+        return plain / spec if spec > 0 else None
+
     def break_even_acceptance(self, skip: SkipSet, gamma: int, context_len: int = 256,
                               kind: str = "fp32") -> float | None:
         """Smallest acceptance at which speculation stops losing (None if it never does)."""
@@ -193,17 +234,24 @@ class LatencyModel:
 
 
 # --- profiling --------------------------------------------------------------------------------------
+def _unturned():
+    return contextlib.nullcontext()
+
+
 def _time_forward(bb: Backbone, cache, n_tokens: int, context: int, skip: SkipSet, repeats: int,
-                  draft=None) -> float:
+                  draft=None, turn=_unturned) -> float:
+    """Seconds of one forward of `n_tokens` at `context` (the minimum of `repeats`), all taken inside one
+    `turn()`: profiles.Quiet.slice in the app, so that no visitor's work runs beside the clock."""
     ids = [1] * n_tokens
     times = []
-    for _ in range(repeats):
-        cache.length = context
-        bb.sync()                     # CUDA runs kernels asynchronously: time finished work only
-        t = time.perf_counter()
-        bb.forward(ids, cache, skip, logits="all" if n_tokens > 1 else "last", draft=draft)
-        bb.sync()
-        times.append(time.perf_counter() - t)
+    with turn():
+        for _ in range(repeats):
+            cache.length = context
+            bb.sync()                     # CUDA runs kernels asynchronously: time finished work only
+            t = time.perf_counter()
+            bb.forward(ids, cache, skip, logits="all" if n_tokens > 1 else "last", draft=draft)
+            bb.sync()
+            times.append(time.perf_counter() - t)
     cache.length = 0
     # the minimum: timing noise on a shared CPU only ever adds time
     return min(times)
@@ -216,18 +264,18 @@ def _fit_line(xs, ys) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None) -> dict:
+def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None, turn=_unturned) -> dict:
     """Attention (linear in context), MLP, lm_head and overhead seconds for one kind of weights."""
     L = bb.n_layers
     all_attn = SkipSet(frozenset(range(L)), frozenset())
     all_mlp = SkipSet(frozenset(), frozenset(range(L)))
     nothing = SkipSet(frozenset(range(L)), frozenset(range(L)))
     for c in contexts:                                              # warm-up
-        _time_forward(bb, cache, 1, c, EMPTY, 2, draft)
+        _time_forward(bb, cache, 1, c, EMPTY, 2, draft, turn)
     raw, points = {}, []
     for c in contexts:
         for s in (EMPTY, all_attn, all_mlp, nothing):
-            raw[(c, s)] = _time_forward(bb, cache, 1, c, s, repeats, draft)
+            raw[(c, s)] = _time_forward(bb, cache, 1, c, s, repeats, draft, turn)
             bar.update()
     for c in contexts:
         full = raw[(c, EMPTY)]
@@ -241,12 +289,13 @@ def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None
     x = torch.zeros(1, bb.hidden, dtype=bb.dtype, device=bb.device)
     head_fn = (lambda: bb.head_logits(x)) if draft is None else (lambda: draft.head(x))
     head_times = []
-    for _ in range(repeats):
-        bb.sync()
-        t = time.perf_counter()
-        head_fn()
-        bb.sync()
-        head_times.append(time.perf_counter() - t)
+    with turn():
+        for _ in range(repeats):
+            bb.sync()
+            t = time.perf_counter()
+            head_fn()
+            bb.sync()
+            head_times.append(time.perf_counter() - t)
     head = min(head_times)
     bar.update()
     return {"attn_a": max(a, 1e-6), "attn_b": max(b, 0.0), "mlp": mlp, "head": head,
@@ -254,29 +303,31 @@ def _sublayer_costs(bb: Backbone, cache, contexts, repeats: int, bar, draft=None
 
 
 def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4, 5, 7, 9),
-            repeats: int = 9, progress: bool = True, drafts=("int8",)) -> LatencyModel:
+            repeats: int = 9, progress: bool = True, drafts=("int8",), turn=None) -> LatencyModel:
     """Measure sublayer, lm_head, overhead and verify costs with real forwards on the model's device.
 
     drafts: draft kinds (draft.py) whose costs are measured too, each on its own weights (with the
     backbone's small draft head, if one is installed).
+    turn: a context manager factory each timing runs inside (profiles.Quiet.slice: an idle engine).
     """
+    turn = turn or _unturned
     contexts = [c for c in contexts if c + max(verify_ks) + 2 <= bb.max_positions]
     cache = bb.new_cache(max(contexts) + max(verify_ks) + 2)
     per_kind = 4 * len(contexts) + 1
     bar = tqdm(total=per_kind * (1 + len(drafts)) + len(verify_ks), desc="latency profile",
                disable=not progress)
     cache.k.fill_(0.0), cache.v.fill_(0.0)                          # fault in every page now
-    full = _sublayer_costs(bb, cache, contexts, repeats, bar)
+    full = _sublayer_costs(bb, cache, contexts, repeats, bar, turn=turn)
     kinds = {}
     for kind in drafts:
-        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.drafts.get(kind))
+        costs = _sublayer_costs(bb, cache, contexts, repeats, bar, bb.drafts.get(kind), turn)
         costs.pop("points")
         kinds[kind] = costs
     ref = contexts[min(1, len(contexts) - 1)]
-    one = _time_forward(bb, cache, 1, ref, EMPTY, repeats)
+    one = _time_forward(bb, cache, 1, ref, EMPTY, repeats, turn=turn)
     verify = {}
     for k in verify_ks:
-        verify[k] = round(_time_forward(bb, cache, k, ref, EMPTY, repeats) / one, 4) if k > 1 else 1.0
+        verify[k] = round(_time_forward(bb, cache, k, ref, EMPTY, repeats, turn=turn) / one, 4) if k > 1 else 1.0
         bar.update()
     bar.close()
     # verifying more tokens never costs less; on a busy CPU single timings can say otherwise
