@@ -9,9 +9,10 @@ Draft kinds (`DraftWeights.kind`):
   dynamic-quantisation CPU kernel (`quantized::linear_dynamic`: int8 weights, activations quantised
   per call). Measured on this 2-core AVX2 CPU, one token: 3× faster than fp32 on the 3072×576 gate/up
   matrix, 2× on down, 5-10× on the 49152×576 lm_head; the small q/k/v and o matrices gain little
-  (on some CPUs they lose alone: `kernels` picks the kernel per matrix, machine.fastest_draft_kernels). The
-  other weight-only kernels in PyTorch's CPU build were slower here (int8pack with fp32 activations
-  7-10×, int4pack with fp32 activations 10-30× slower; with bf16 activations they sit between).
+  (on some Xeons fp32 won them alone, yet a whole draft pass with them in fp32 ran slower: every
+  matrix is int8, docs/performance.md). The other weight-only kernels in PyTorch's CPU build were
+  slower here (int8pack with fp32 activations 7-10×, int4pack with fp32 activations 10-30× slower;
+  with bf16 activations they sit between).
   That kernel is CPU-only: on another device (CUDA) the int8 draft keeps the same per-channel int8
   rounding of the weights but holds them dequantised in the model's dtype and runs ordinary matmuls
   (weight-only: activations stay in full precision). It drafts like the int8 draft but costs what
@@ -34,8 +35,6 @@ import torch
 import torch.nn.functional as F
 
 DRAFT_KINDS = ("int8", "fp32")
-DRAFT_MATRICES = ("qkv", "o", "gate_up", "down", "head")      # what machine.fastest_draft_kernels chooses for
-MATRIX_WORDS = {"qkv": "q/k/v", "o": "o", "gate_up": "gate/up", "down": "down", "head": "lm_head"}
 DEFAULT_DRAFT_KIND = "int8"       # the draft weights alone (the app adds prompt lookup on top)
 
 
@@ -90,8 +89,7 @@ def _int8_linear(x: torch.Tensor, packed, bias=None) -> torch.Tensor:
 
 def _draft_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor:
     """An int8 draft's matmul: the int8 kernel for prepacked weights (their bias is inside), `F.linear`
-    for a plain tensor — a matrix the draft runs in fp32 (machine.fastest_draft_kernels), a cut copy,
-    or the dequantised int8-rounded weights where there is no int8 kernel (CUDA)."""
+    for a plain tensor — the dequantised int8-rounded weights where there is no int8 kernel (CUDA)."""
     return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else _int8_linear(x, w)
 
 
@@ -125,16 +123,9 @@ class DraftLayer:
 
     @staticmethod
     def jobs(layer, kernel: bool) -> list[tuple]:
-        """(matrix name, weight, bias to pack with it), in the order __init__ takes them."""
-        return [("qkv", layer.wqkv, layer.bqkv if kernel else None), ("o", layer.wo, None),
-                ("gate_up", layer.wgu, None), ("down", layer.wdown, None)]
-
-
-def pack_chosen(jobs: list[tuple], kernels: dict, kernel: bool) -> list:
-    """(name, weight, bias) jobs → what a draft reads: packed int8 where `kernels[name]` is "int8", the
-    weight itself where it is "fp32" (machine.fastest_draft_kernels)."""
-    packed = iter(pack_int8([(w, b) for name, w, b in jobs if kernels[name] == "int8"], kernel))
-    return [next(packed) if kernels[name] == "int8" else w for name, w, _ in jobs]
+        """(weight, bias to pack with it) for qkv, o, gate/up and down, in the order __init__ takes them."""
+        return [(layer.wqkv, layer.bqkv if kernel else None), (layer.wo, None), (layer.wgu, None),
+                (layer.wdown, None)]
 
 
 @dataclass(frozen=True)
@@ -161,11 +152,9 @@ class DraftHead:
 class DraftWeights:
     """What a draft pass reads instead of the verifier's weights (see the module docstring)."""
 
-    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None,
-                 kernels: dict | None = None):
+    def __init__(self, backbone, kind: str = DEFAULT_DRAFT_KIND, head_ids=None, int8_kernel: bool | None = None):
         """int8_kernel: run int8 through PyTorch's CPU kernel (None: exactly when the model is on the CPU);
-        False keeps dequantised int8-rounded weights instead (the path for CUDA). kernels: {matrix:
-        "int8" | "fp32"} for DRAFT_MATRICES (machine.fastest_draft_kernels); None: int8 for every one."""
+        False keeps dequantised int8-rounded weights instead (the path for CUDA, which tests run on a CPU)."""
         if kind not in DRAFT_KINDS:
             raise ValueError(f"unknown draft kind {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
         self.kind = kind
@@ -183,12 +172,9 @@ class DraftWeights:
             if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= backbone.vocab:
                 raise ValueError(f"draft head ids must lie in 0..{backbone.vocab - 1}")
         head_w = backbone.lm_head if ids is None else backbone.lm_head[ids].contiguous()
-        every = {m: "int8" for m in DRAFT_MATRICES}
-        self.kernels = {**every, **(kernels or {})} if kind == "int8" and self.kernel else every
         if kind == "int8":              # the head first: the largest matrix, so the two threads end together
-            jobs = [("head", head_w, None)] + [job for layer in backbone.layers
-                                               for job in DraftLayer.jobs(layer, self.kernel)]
-            packed = pack_chosen(jobs, self.kernels, self.kernel)
+            jobs = [(head_w, None)] + [job for layer in backbone.layers for job in DraftLayer.jobs(layer, self.kernel)]
+            packed = pack_int8(jobs, self.kernel)
             self.layers = [DraftLayer(layer, packed[1 + 4 * i:5 + 4 * i]) for i, layer in enumerate(backbone.layers)]
             self.linear = _draft_linear
             self.head = DraftHead(packed[0], ids, backbone.vocab, self.linear)
@@ -204,9 +190,6 @@ class DraftWeights:
         if self.channels is not None:
             head += f", {self.channels[1]:.0%} of MLP channels ({self.channels[0]})" + \
                     (", the rest as their mean" if self.compensated else "")
-        fp32 = [m for m in DRAFT_MATRICES if self.kind == "int8" and self.kernels.get(m) == "fp32"]
-        if fp32:
-            head += f"; {', '.join(MATRIX_WORDS[m] for m in fp32)} in fp32 (faster on this CPU)"
         return f"{self.kind} draft{head}" + (f" ({self.where})" if self.where else "")
 
     def extra_bytes(self, mlp_only: bool = False) -> int:

@@ -11,13 +11,12 @@ holds the rankings and means a calibration installed, builds each draft once (�
 from __future__ import annotations
 
 import copy
-import os
 import threading
 
 import torch
 
-from .draft import DRAFT_MATRICES, DraftLayer, DraftWeights, pack_chosen
-from .machine import fastest_draft_kernels, release_freed_memory
+from .draft import DraftLayer, DraftWeights, pack_int8
+from .machine import release_freed_memory
 from .skipset import SkipSet
 
 
@@ -54,9 +53,8 @@ def cut_draft(draft: DraftWeights, backbone, kept: list, name: tuple[str, float]
             for i, (layer, k) in enumerate(zip(backbone.layers, kept))]
     int8 = draft.kind == "int8"
     mlps = [(gu, down) for gu, down, _ in cuts]
-    if int8:                       # each cut matrix on the kernel the draft runs that matrix on
-        packed = pack_chosen([job for gu, down, b in cuts for job in (("gate_up", gu, None), ("down", down, b))],
-                             draft.kernels, draft.kernel)
+    if int8:
+        packed = pack_int8([job for gu, down, b in cuts for job in ((gu, None), (down, b))], draft.kernel)
         mlps = list(zip(packed[0::2], packed[1::2]))
     out = copy.copy(draft)
     out.channels = name
@@ -75,58 +73,16 @@ def _same(a, b) -> bool:
 class DraftFactory:
     """The draft weights of one Backbone, built on first use and cached (thread-safe)."""
 
-    def __init__(self, backbone, int8_kernel: bool | None = None):
-        """int8_kernel: DraftWeights' (None: PyTorch's int8 CPU kernel exactly when the model is on the CPU)."""
+    def __init__(self, backbone):
         self._bb = backbone
-        self.int8_kernel = int8_kernel
+        # DraftWeights' int8_kernel (None: PyTorch's int8 CPU kernel exactly when the model is on the CPU;
+        # tests set False to run the dequantised path a device without that kernel (CUDA) takes)
+        self.int8_kernel: bool | None = None
         self.head_ids: tuple[int, ...] | None = None            # the calibration's small draft head
         self.channel_ranks: dict[str, torch.Tensor] = {}       # name → (layers, channels) ids, best first
         self.channel_means: dict[str, torch.Tensor] = {}       # name → (layers, channels) mean activations
         self._built: dict = {}
-        self._kernels: dict | None = None                      # the int8 draft's kernel per matrix
-        self.defer_choice = False        # True: do not measure it at the first int8 draft (the app's start-up)
-        self._fixed = False              # set by set_int8_kernels: not measured
         self._lock = threading.Lock()
-
-    def int8_kernels(self) -> dict:
-        """The int8 draft's kernel per matrix ({matrix: "int8" | "fp32"}): on a CPU, what runs a draft pass
-        fastest on this machine (machine.fastest_draft_kernels, measured once and cached); int8 for every
-        one with SSD_DRAFT_KERNEL=int8, on a device without the int8 kernel, or — while `defer_choice` is
-        set and nothing is cached — until `choose_int8_kernels` has measured."""
-        if self._kernels is None:
-            every = {m: "int8" for m in DRAFT_MATRICES}
-            bb = self._bb
-            if not (bb.device.type == "cpu" and self.int8_kernel is not False
-                    and os.environ.get("SSD_DRAFT_KERNEL", "auto") == "auto"):
-                self._kernels = every
-            else:
-                choice = fastest_draft_kernels(bb, measure_now=not self.defer_choice)
-                if choice is None:
-                    return every                     # not measured yet: the rule, until choose_int8_kernels
-                self._kernels = choice
-        return self._kernels
-
-    def set_int8_kernels(self, kernels: dict | None) -> None:
-        """Fix the int8 draft's kernel per matrix (None: int8 for every one), e.g. for reproducible tests:
-        choose_int8_kernels then keeps it. int8 drafts built before are built again on next use."""
-        with self._lock:
-            self._kernels = {**{m: "int8" for m in DRAFT_MATRICES}, **(kernels or {})}
-            self._fixed = True          # choose_int8_kernels keeps it
-            self._built = {k: v for k, v in self._built.items() if k[0] != "int8"}
-
-    def choose_int8_kernels(self) -> dict:
-        """Measure the int8 draft's kernels now if they are not cached (the app does this in the background
-        after start-up); drafts built meanwhile on other kernels are built again on next use."""
-        before = self.int8_kernels()
-        self.defer_choice = False
-        if self._fixed:
-            return before
-        self._kernels = None
-        after = self.int8_kernels()
-        if after != before:
-            with self._lock:
-                self._built = {k: v for k, v in self._built.items() if k[0] != "int8"}
-        return after
 
     def clear(self) -> None:
         """Forget every built draft (after the weights changed, or a setting of the factory did)."""
@@ -202,8 +158,7 @@ class DraftFactory:
         base, key = (kind, head, None), (kind, head, channels)
         with self._lock:                 # built once, shared by all sessions
             if base not in self._built:
-                self._built[base] = DraftWeights(self._bb, kind, self.head_ids if head else None, self.int8_kernel,
-                                                 self.int8_kernels() if kind == "int8" else None)
+                self._built[base] = DraftWeights(self._bb, kind, self.head_ids if head else None, self.int8_kernel)
             if key not in self._built:  # a cut draft shares the base's head and attention weights
                 self._built[key] = cut_draft(self._built[base], self._bb, self.kept_channels(*channels), channels,
                                              self.channel_means.get(channels[0]))

@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -132,95 +131,12 @@ def fastest_kernels(backbone, refresh: bool = False) -> tuple[str, str]:
     return tuple(_cached_choice(_choice_key(backbone), backbone, measure, valid, "verifier", refresh))
 
 
-# --- the int8 draft's kernel per matrix -----------------------------------------------------------------
-DRAFT_KERNELS = ("int8", "fp32")
-# a mixed draft must beat int8 everywhere by 5% to be chosen: within that, a noisy VM (±6% between
-# identical runs) would flip the cached choice by chance (one background measurement: 50.2 vs 50.7 ms)
-DRAFT_MARGIN = 0.95
-
-
-def draft_matrices(backbone) -> dict:
-    """One decoder layer's matrices and the lm_head: what an int8 draft step multiplies by."""
-    L = backbone.layers[0]
-    return {"qkv": L.wqkv, "o": L.wo, "gate_up": L.wgu, "down": L.wdown, "head": backbone.lm_head}
-
-
-def measure_draft_kernels(backbone, calls: int = 20, rounds: int = 5) -> dict:
-    """µs of one token through each draft matrix (DRAFT_MATRICES) under the int8 dynamic-quantisation
-    kernel and under fp32 `F.linear` on the verifier's own weights: {matrix: {kernel: µs}}, the best of
-    `rounds` interleaved rounds (noise only ever adds time)."""
-    from .draft import DRAFT_MATRICES, _int8_linear, _int8_pack
-    best = {m: {k: float("inf") for k in DRAFT_KERNELS} for m in DRAFT_MATRICES}
-    runs = {}
-    for m, w in draft_matrices(backbone).items():
-        x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-        packed = _int8_pack(w)
-        runs[m] = {"int8": lambda x=x, p=packed: _int8_linear(x, p), "fp32": lambda x=x, w=w: F.linear(x, w)}
-    with torch.inference_mode():
-        for i in range(rounds + 1):                   # the first round warms up and is dropped
-            for m, by in runs.items():
-                for k, fn in by.items():
-                    t = time.perf_counter()
-                    n = calls if m != "head" else max(1, calls // 5)   # the lm_head takes ~1-5 ms a call
-                    for _ in range(n):
-                        fn()
-                    if i:
-                        best[m][k] = min(best[m][k], (time.perf_counter() - t) / n * 1e6)
-    return {m: {k: round(us, 1) for k, us in by.items()} for m, by in best.items()}
-
-
-def measure_draft_passes(backbone, candidates: list[dict], context: int = 64, repeats: int = 11) -> list[float]:
-    """ms of one int8 draft pass (one token at `context`, no sublayer skipped) under each candidate
-    {matrix: kernel}, interleaved, median of `repeats` (after one warm-up round)."""
-    from .draft import DraftWeights
-    drafts = [DraftWeights(backbone, "int8", kernels=c) for c in candidates]
-    cache = backbone.new_cache(context + 2)
-    cache.k.fill_(0.0), cache.v.fill_(0.0)
-    times = [[] for _ in drafts]
-    for i in range(repeats + 1):
-        for j, d in enumerate(drafts):
-            cache.length = context
-            t = time.perf_counter()
-            backbone.forward([1], cache, draft=d)
-            if i:
-                times[j].append(time.perf_counter() - t)
-    return [round(1000 * statistics.median(t), 3) for t in times]
-
-
-def fastest_draft_kernels(backbone, refresh: bool = False, measure_now: bool = True) -> dict[str, str] | None:
-    """{matrix: "int8" or "fp32"}: which kernel an int8 draft runs each of its matrices on, on this machine
-    — the int8 kernel, or fp32 on the verifier's own weights where that is faster. Isolated timings
-    mislead (on one Xeon fp32 won q/k/v and o alone by 15–20%, yet the draft pass ran 20% slower with
-    them mixed in), so the matrices that win alone only propose a candidate; whole draft passes under it
-    and under int8 everywhere decide. Cached beside the verifier's choice, or measured now (≈ 2-4 s on
-    2 cores); measure_now=False: None when nothing is cached."""
-    from .draft import DRAFT_MATRICES
-
-    def measure():
-        alone = measure_draft_kernels(backbone)
-        every = {m: "int8" for m in DRAFT_MATRICES}
-        mixed = {m: min(DRAFT_KERNELS, key=by.get) for m, by in alone.items()}
-        if mixed == every:
-            return every, {"matrices_us": alone}
-        passes = measure_draft_passes(backbone, [every, mixed])
-        release_freed_memory()                        # the two drafts timed are gone
-        return (mixed if passes[1] < DRAFT_MARGIN * passes[0] else every), {
-            "matrices_us": alone, "draft_pass_ms": {"int8 everywhere": passes[0], "fastest alone": passes[1]}}
-    valid = lambda c: isinstance(c, dict) and set(c) == set(DRAFT_MATRICES) and set(c.values()) <= set(DRAFT_KERNELS)  # noqa: E731
-    choice = _cached_choice("draft:" + _choice_key(backbone), backbone, measure, valid, "int8 draft", refresh,
-                            measure_now)
-    return None if choice is None else dict(choice)
-
-
-def _cached_choice(key: str, backbone, measure, valid, what: str, refresh: bool, measure_now: bool = True):
-    """The choice cached under `key` in kernels.json, or `measure()` → (choice, timings) now, cached
-    (measure_now=False: None instead of measuring)."""
+def _cached_choice(key: str, backbone, measure, valid, what: str, refresh: bool):
+    """The choice cached under `key` in kernels.json, or `measure()` → (choice, timings) now, cached."""
     path = cache_dir() / CHOICE_FILE
     entry = _read(path).get(key)
     if not refresh and isinstance(entry, dict) and valid(entry.get("choice")):
         return entry["choice"]
-    if not measure_now:
-        return None
     t = time.perf_counter()
     choice, timings = measure()
     log.info("%s kernel choice measured in %.1f s: %s", what, time.perf_counter() - t, choice)
