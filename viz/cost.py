@@ -21,34 +21,21 @@ from .tokens import escape
 GPU_VERIFY = 1.03     # a large model on a GPU: verifying γ+1 tokens costs about one step (memory-bound)
 
 
-def measured_costs(steps, full_step_s: float) -> dict:
-    """c and v as this run measured them: mean draft-token and verify times over one full step."""
-    drafted = sum(len(s.drafted) for s in steps)
-    spec = [s for s in steps if s.speculative]
-    if not spec or full_step_s <= 0:
-        return {}
-    draft_s = sum(s.draft_s for s in spec)
-    verify_s = sum(s.verify_s for s in spec)
-    overhead_s = sum(s.overhead_s for s in spec)
-    return {"c": (draft_s / drafted) / full_step_s if drafted else None,
-            "v": (verify_s / len(spec)) / full_step_s,
-            "overhead": (overhead_s / len(spec)) / full_step_s,
-            "drafts_per_step": drafted / len(spec)}
-
-
 def _row(label: str, value: str, note: str = "") -> str:
     return (f"<tr><th>{escape(label)}</th><td>{escape(value)}</td>"
             f'<td class="note">{escape(note)}</td></tr>')
 
 
-def _run_row(m: dict, tau: float | None) -> list[str]:
-    """The same formula with this run's own numbers: its τ, drafts per step and measured costs."""
-    if not tau or not m.get("c"):
-        return []
-    d, step = m["drafts_per_step"], m["drafts_per_step"] * m["c"] + m["v"] + m.get("overhead", 0.0)
-    return [_row("… with this run's numbers", f"τ / (d·c + v + o) = {tau / step:.2f}×",
-                 f"τ = {tau:.2f}, d = {d:.2f} drafts per step, c = {m['c']:.2f}, v = {m['v']:.2f}, "
-                 f"bookkeeping o = {m.get('overhead', 0.0):.2f}")]
+def run_words(steps) -> str:
+    """What a run did, in the terms the prediction uses: steps by who drafted, and drafts per step."""
+    steps = list(steps)
+    model = sum(s.source == "model" for s in steps)
+    lookup = sum(s.source == "lookup" for s in steps)
+    plain = sum(not s.speculative for s in steps)
+    drafted = [len(s.drafted) for s in steps if s.speculative]
+    mean = sum(drafted) / len(drafted) if drafted else 0.0
+    return (f"{len(steps)} steps: {model} drafted by the model, {lookup} by prompt lookup (free), {plain} plain; "
+            f"{mean:.1f} drafts per step on average")
 
 
 def device_row(profiled_on: str, runs_on: str | None = None) -> str:
@@ -63,32 +50,45 @@ def device_row(profiled_on: str, runs_on: str | None = None) -> str:
 
 def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, tau: float | None,
               measured_speedup: float | None = None, measured: dict | None = None,
-              alpha_source: str = "this run", profiled_on: str = "cpu", runs_on: str | None = None) -> str:
+              alpha_source: str = "this run", profiled_on: str = "cpu", runs_on: str | None = None,
+              run_prediction: float | None = None, run_steps=(), provisional: bool = False) -> str:
     """b: LatencyModel.breakdown(...) for the set in use at this run's acceptance.
 
+    run_prediction: LatencyModel.predicted_run_speedup of the run's steps — the latency model applied
+    to what the run did (its drafts per step, lookup drafts, context): the headline when there is a run.
+    measured: the run's own costs from a Race vs AR (engine.race.measured_costs), none from a model.
     profiled_on: the device the latency model was measured on (LatencyModel.device_words);
     runs_on: the device the app runs on (engine.device.device_label), None if unknown.
+    provisional: the latency model is not this machine's yet (being measured).
     """
     g, c, v, e = b["gamma"], b["draft_cost"], b["verify_cost"], b["expected_tokens"]
     step, pred, best, be = b["step_cost"], b["predicted_speedup"], b["best_speedup"], b["break_even"]
     m = measured or {}
+    headline = run_prediction if run_prediction is not None else pred
+    race_note = "; press “Race vs AR” to measure this run's own"
     rows = [
         device_row(profiled_on, runs_on),
         _row("draft cost c", f"{c:.2f} of a full step",
-             f"{b['draft_step_ms']:.1f} ms vs {b['full_step_ms']:.1f} ms per full step (latency model"
-             f", context {b['context_len']})" + (f"; this run measured {m['c']:.2f}" if m.get("c") else "")),
+             f"{b['draft_step_ms']:.1f} ms vs {b['full_step_ms']:.1f} ms per full step (latency model, {b['draft_kind']} "
+             f"draft, context {b['context_len']})" + (f"; this run measured {m['c']:.2f} (model draft pass ÷ plain "
+                                                      f"step, lookup drafts left out)" if m.get("c") else race_note)),
         _row("verify cost v", f"{v:.2f} full steps", f"one pass over {g + 1} tokens"
-             + (f"; this run measured {m['v']:.2f}" if m.get("v") else "")),
+             + (f"; this run measured {m['v']:.2f} over {m['v_tokens']} tokens" if m.get("v") else "")),
         _row("one step costs", f"γ·c + v = {g}·{c:.2f} + {v:.2f} = {step:.2f}", "full steps of time"),
         _row("expected tokens per step", f"E = {e:.2f}",
              (f"at α = {alpha:.2f} ({alpha_source}), if every draft were accepted independently"
               + (f"; measured τ = {tau:.2f}: accepts come in runs, as if α were "
                  f"{effective_acceptance(tau, g):.2f}" if tau else "")) if alpha is not None else ""),
-        _row("predicted speedup", f"E / (γ·c + v) = {pred:.2f}×", "latency model, i.i.d. acceptance"),
-        *_run_row(m, tau),
+        _row("textbook prediction", f"E / (γ·c + v) = {pred:.2f}×", "every step drafts γ with the model, i.i.d. acceptance"),
+    ]
+    if run_prediction is not None:
+        rows.append(_row("predicted for this run", f"{run_prediction:.2f}×",
+                         "the latency model's time for plain decoding of these tokens ÷ its time for the steps as "
+                         f"they ran — {run_words(run_steps)}"))
+    rows += [
         _row("measured speedup", f"{measured_speedup:.2f}×" if measured_speedup is not None else "–",
-             "race against autoregressive, same prompt, same process" if measured_speedup is not None
-             else "press “Race vs AR” on the Generate tab to measure it"),
+             "Race vs AR: both laps in lockstep on the same prompt, decode phase, same process"
+             if measured_speedup is not None else "press “Race vs AR” on the Generate tab to measure it"),
         _row("best case (every draft accepted)", f"{best:.2f}×",
              "break-even needs α ≥ " + f"{be:.2f}" if be is not None else "even α = 1 cannot beat autoregressive"),
     ]
@@ -99,12 +99,16 @@ def cost_html(b: dict, *, strategy: str, skip_name: str, alpha: float | None, ta
            f"draft step no matter how many layers it skips; an attention sublayer costs {b['attn_ms']:.2f} ms and "
            f"an MLP {b['mlp_ms']:.2f} ms. Skipping part of a 135M model therefore saves little (c = {c:.2f}), "
            f"and checking {g + 1} tokens at once is not free {'on a CPU' if on_cpu else 'here'} (v = {v:.2f}). "
+           "Prompt lookup drafts cost nothing, so a run that copies from its prompt beats the textbook formula. "
            "On a GPU a large model is memory-bound: verifying a few tokens costs about one step (v ≈ 1), "
            "and skipping half the layers nearly halves a draft step — that is where self-speculation wins.")
-    verdict_cls = "good" if (measured_speedup or pred) >= 1 else "bad"
+    verdict_cls = "good" if (measured_speedup or headline) >= 1 else "bad"
+    if provisional:
+        verdict_cls = "pending"
+    tag = " (provisional: this machine's costs are still being measured)" if provisional else ""
     head = (f'<div class="cost-head {verdict_cls}">{escape(strategy)} with the {escape(skip_name)} set: '
-            f"predicted {pred:.2f}×" + (f", measured {measured_speedup:.2f}×" if measured_speedup is not None
-                                         else "") + "</div>")
+            f"predicted {headline:.2f}×{escape(tag)}" + (f", measured {measured_speedup:.2f}×" if measured_speedup
+                                                          is not None else "") + "</div>")
     return (f'<div class="cost">{head}<table class="cost-table">{"".join(rows)}</table>'
             f'<p class="cost-why">{escape(why)}</p></div>')
 

@@ -27,6 +27,8 @@ class RaceResult:
     against_tau: float | None = None  # and whether the routed draft is the static one
     sets: tuple[str, str] | None = None
     same_draft: bool | None = None
+    costs: dict | None = None         # Race vs AR: this run's own c and v (engine.race.measured_costs)
+    spread: tuple[float, float] | None = None   # the ratio over each third of the laps: (lowest, highest)
 
     @property
     def speedup(self) -> float:
@@ -62,7 +64,8 @@ def stats_html(stats=None, *, race: RaceResult | None = None, speculative: bool 
         versus = "vs AR" if race.against == "autoregressive" else "vs static"
         cells.append(_metric(versus, f"{race.speedup:.2f}×",
                              f"measured: {race.tokens_per_s:.1f} vs {race.ar_tokens_per_s:.1f} tokens/s "
-                             f"({race.against}), same prompt, same process", speedup_class(race.speedup)))
+                             f"({race.against}), same prompt, same process, laps in lockstep, decode phase",
+                             speedup_class(race.speedup)))
         cells.append(_lossless_metric(race))
     else:
         cells.append(_metric("vs AR", "race →", "press “Race vs AR” to measure the speedup",
@@ -130,7 +133,8 @@ def routing_gain_words(race: RaceResult) -> str:
     """Race vs static in one sentence: what the routed draft gained over the static one, or why nothing."""
     if race.same_draft:
         return ("Same draft as static: this domain's own set did not beat the static set at calibration, so "
-                "routing sends it to the static set; any difference in speed is timing noise.")
+                "routing sends it to the static set; both laps do the same work, so the ratio measures the "
+                "timing's own noise.")
     t = (race.tau / race.against_tau) if race.tau and race.against_tau else None
     tau = f"τ {t:.2f}× the static draft's" if t else "τ not comparable"
     return (f"Routing's own gain on this prompt: {tau}, {race.speedup:.2f}× its tokens/s "
@@ -141,8 +145,9 @@ def race_html(race: RaceResult | None, *, running: str = "") -> str:
     """The race panel: both speeds as bars, the measured speedup, the lossless check."""
     if race is None:
         body = escape(running) if running else ("Race vs AR runs the chosen strategy and plain autoregressive "
-                                               "decoding on the same prompt, one after the other; Race vs "
-                                               "static runs the routed draft against the static one.")
+                                               "decoding on the same prompt, step by step in lockstep so both "
+                                               "meet the machine in the same state; Race vs static runs the "
+                                               "routed draft against the static one.")
         return f'<div class="race idle">{body}</div>'
     fast = max(race.tokens_per_s, race.ar_tokens_per_s, 1e-9)
     rows = []
@@ -163,6 +168,11 @@ def race_html(race: RaceResult | None, *, running: str = "") -> str:
         verdict = "✓ identical text: speculation changed nothing but the speed"
     else:
         verdict = difference_words(race.first_difference, race.tie_gap)
+    spread = ""
+    if race.spread is not None:
+        lo, hi = race.spread
+        spread = (f'<div class="race-note">Measured in lockstep over the decode phase (each lap's first step '
+                  f'warms up, uncounted); over each third of the laps the ratio read {lo:.2f}–{hi:.2f}×.</div>')
     head = (f'<span class="race-speedup {speedup_class(race.speedup)}">{race.speedup:.2f}×</span> '
             f'<span class="race-verdict">{escape(verdict)}</span>')
-    return f'<div class="race">{head}{"".join(rows)}</div>'
+    return f'<div class="race">{head}{"".join(rows)}{spread}</div>'

@@ -25,6 +25,7 @@ class Lap:
     """One side of a race: its events and the seconds spent producing each step."""
 
     start: Start | None = None
+    start_s: float = 0.0                  # prefill and routing: what producing the Start event took
     steps: list[Step] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     done: bool = False
@@ -85,7 +86,7 @@ def lockstep(backbone, prompt, a, b, config: DecodeConfig = DecodeConfig(), shou
         dt = time.perf_counter() - t
         lap = laps[side]
         if isinstance(ev, Start):
-            lap.start = ev
+            lap.start, lap.start_s = ev, dt
         else:
             lap.steps.append(ev)
             lap.step_s.append(dt)
