@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -303,33 +304,27 @@ def test_a_domain_that_fails_the_check_routes_to_static_and_says_so(tiny, tmp_pa
 
 
 # --- the prompt embedding a calibration routes on (issue #31, docs/routing.md) ------------------------
-def test_prefill_embedding_follows_the_backbones_kind(tiny):
-    from ssd_core.engine.backbone import DEFAULT_EMBEDDING
+def test_prefill_embeds_the_prompt_as_its_last_tokens_state(tiny):
+    from ssd_core.engine.backbone import EMBEDDING
+    assert EMBEDDING == "last_token"
     p = tiny.encode("how many moons does mars have")
     a, b = p.user_span
     assert 0 < a < b < len(p)                       # the chat template sits on both sides
     hidden = tiny.forward(p.ids, tiny.new_cache(64), logits="none")
-    try:
-        tiny.set_embedding("user_mean")
-        pre = tiny.prefill(p, tiny.new_cache(64))
-        assert np.allclose(pre.embedding.numpy(), hidden[a:b].mean(0).numpy(), atol=1e-5)
-        tiny.set_embedding("last_token")
-        pre = tiny.prefill(p, tiny.new_cache(64))
-        # the state the first token's logits come from: it has read the template and the whole prompt
-        assert np.allclose(pre.embedding.numpy(), hidden[-1].numpy(), atol=1e-5)
-        assert np.allclose(tiny.head_logits(pre.embedding[None])[0].numpy(), pre.logits.numpy(), atol=1e-4)
-        assert np.allclose(pre.embedding_user.numpy(), hidden[a:b].mean(0).numpy(), atol=1e-5)
-        with pytest.raises(ValueError, match="unknown embedding kind"):
-            tiny.set_embedding("cls")
-    finally:
-        tiny.set_embedding(DEFAULT_EMBEDDING)
+    pre = tiny.prefill(p, tiny.new_cache(64))
+    # the state the first token's logits come from: it has read the template and the whole prompt
+    assert np.allclose(pre.embedding.numpy(), hidden[-1].numpy(), atol=1e-5)
+    assert np.allclose(tiny.head_logits(pre.embedding[None])[0].numpy(), pre.logits.numpy(), atol=1e-4)
+    assert pre.hidden is None                       # nothing else pooled or kept at a serving prefill
+    kept = tiny.prefill(p, tiny.new_cache(64), keep_hidden=True)
+    assert np.allclose(kept.hidden.numpy(), hidden.numpy(), atol=1e-5) and np.array_equal(kept.embedding.numpy(), kept.hidden[-1].numpy())
 
 
 def test_calibration_records_its_embedding_kind(tiny, tiny_calibration):
     cal = cal_io.load(tiny_calibration.folder, tiny)
-    assert cal.meta["embedding"] == cal.embedding == "last_token" == tiny.embedding_kind
+    assert cal.meta["embedding"] == cal.embedding == "last_token"
     assert cal.routing["used"] == "last" and cal.routing["embedding"] == "last_token"
-    assert {"last", "user", "all"} <= set(cal.routing)
+    assert {"last", "user", "all"} <= set(cal.routing)   # the report still compares the poolings
     assert cal.router.center is not None            # centred by the anchors' mean direction
 
 
@@ -337,55 +332,56 @@ def _as_old_artefact(tiny, cal, folder):
     """Rewrite a calibration as one made before the embedding kind existed: no meta["embedding"], an
     uncentred router on user-token means (the prefill embedding of that time)."""
     from ssd_core.calibration.router import Router
-    from ssd_core.engine.backbone import DEFAULT_EMBEDDING
     texts = {}
     for t, d, k in zip(cal.router.texts, cal.router.domains, cal.router.kinds):
         if k == "prompt":
             texts.setdefault(d, []).append(t)
-    emb = {d: np.stack([tiny.prefill(p := tiny.encode(t, max_tokens=48), tiny.new_cache(len(p) + 1))
-                        .embedding_user.numpy() for t in ts]) for d, ts in texts.items()}
+
+    def user_mean(text):
+        p = tiny.encode(text, max_tokens=48)
+        a, b = p.user_span
+        return tiny.prefill(p, tiny.new_cache(len(p) + 1), keep_hidden=True).hidden[a:b].mean(0).numpy()
+    emb = {d: np.stack([user_mean(t) for t in ts]) for d, ts in texts.items()}
     old = Router.build(emb, texts, cal.domain_sets, cal.static, seed=0, threshold=-1.0)
     old = cal.router = old.with_settings(threshold=cal.router.threshold)
     cal.meta.pop("embedding")
     cal.meta.pop("files")
     cal_io.save(cal, folder)
-    tiny.set_embedding(DEFAULT_EMBEDDING)
     return old, emb
 
 
-def test_an_old_artefact_routes_on_its_old_embedding_and_rebuild_router_moves_it(tiny, tiny_calibration,
-                                                                                 tmp_path):
+def test_an_old_artefact_is_refused_until_rebuild_router_moves_it(tiny, tiny_calibration, tmp_path):
+    """A calibration routed on the user-token mean (no embedding recorded) cannot be served: the
+    backbone no longer computes that embedding. Loading says so and names the fix, which works."""
     from ssd_core.calibration.build import rebuild_router
     folder = _copy(tiny_calibration, tmp_path)
     old, _ = _as_old_artefact(tiny, cal_io.load(folder, tiny), folder)
+    with pytest.raises(CalibrationError, match=r"routes on the 'user_mean' prompt embedding, which this version "
+                                               r"no longer computes \(only 'last_token'\); rebuild its router with "
+                                               r"python -m ssd_core.calibrate --rebuild-router --out "):
+        cal_io.load(folder, tiny)
+    sets = dict(cal_io.load(folder, tiny, any_embedding=True).domain_sets)
+    new = rebuild_router(folder, backbone=tiny, progress=False)
+    assert new.embedding == "last_token" and new.router.center is not None
+    assert new.domain_sets == sets                          # only the router changed
+    dm = new.load_domain_map()                              # the map is fitted on the new anchors
+    assert np.allclose(dm.model._raw_data, new.router.vectors)
+    assert not np.allclose(old.vectors, new.router.vectors, atol=1e-3)
+    assert new.routing["check_set"]["prompts"] >= 7
     prompt = "Translate German to English: Guten Morgen."
-    try:
-        cal = cal_io.load(folder, tiny)
-        assert cal.embedding == "user_mean" == tiny.embedding_kind and cal.router.center is None
-        ids = tiny.encode(prompt)
-        pre = tiny.prefill(ids, tiny.new_cache(256))
-        assert np.allclose(pre.embedding.numpy(), pre.embedding_user.numpy())
-        assert cal.router.route(pre.embedding).to_dict() == old.route(pre.embedding_user).to_dict()
-        ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=16)
-        assert generate(tiny, prompt, build_strategy(cal, "knn", gamma=3), max_new_tokens=16, gamma=3).token_ids == ar.token_ids
-        sets = dict(cal.domain_sets)
-        new = rebuild_router(folder, backbone=tiny, progress=False)
-        assert new.embedding == "last_token" == tiny.embedding_kind and new.router.center is not None
-        assert new.domain_sets == sets                          # only the router changed
-        dm = new.load_domain_map()                              # the map is fitted on the new anchors
-        assert np.allclose(dm.model._raw_data, new.router.vectors)
-        assert not np.allclose(old.vectors, new.router.vectors, atol=1e-3)
-        assert new.routing["check_set"]["prompts"] >= 7
-    finally:
-        tiny.set_embedding("last_token")
+    ar = generate(tiny, prompt, Autoregressive(), max_new_tokens=16)
+    cal = cal_io.load(folder, tiny)
+    assert generate(tiny, prompt, build_strategy(cal, "knn", gamma=3), max_new_tokens=16, gamma=3).token_ids == ar.token_ids
 
 
-def test_an_unknown_embedding_kind_is_refused_with_the_fix(tiny_calibration, tmp_path):
+@pytest.mark.parametrize("kind", ["user_mean", "cls_token"])
+def test_an_embedding_kind_the_backbone_does_not_compute_is_refused_with_the_fix(tiny_calibration, tmp_path, kind):
     folder = _copy(tiny_calibration, tmp_path)
     doc = json.loads((folder / "calibration.json").read_text())
-    doc["meta"]["embedding"] = "cls_token"
+    doc["meta"]["embedding"] = kind
     (folder / "calibration.json").write_text(json.dumps(doc))
-    with pytest.raises(CalibrationError, match="--rebuild-router"):
+    with pytest.raises(CalibrationError, match=rf"routes on the '{kind}' prompt embedding, which this version no "
+                                               rf"longer computes .*--rebuild-router --out {re.escape(str(folder))}"):
         cal_io.load(folder)
 
 

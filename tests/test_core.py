@@ -97,14 +97,13 @@ def test_forward_matches_transformers(tiny):
     torch.testing.assert_close(out, ref[-4:], atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_embedding_pools_user_tokens(tiny):
+def test_prefill_finds_the_user_tokens_and_embeds_the_prompt(tiny):
     p = tiny.encode("domain words")
     a, b = p.user_span
     assert tiny.decode(p.ids[a:b]) == "domain words"
-    pre = tiny.prefill(p, tiny.new_cache(64))
-    assert pre.embedding.shape == pre.embedding_user.shape == (tiny.hidden,)
-    assert not torch.allclose(pre.embedding_user, pre.embedding_all)
-    assert not torch.allclose(pre.embedding, pre.embedding_all)
+    pre = tiny.prefill(p, tiny.new_cache(64), keep_hidden=True)
+    assert pre.embedding.shape == (tiny.hidden,) and pre.hidden.shape == (len(p), tiny.hidden)
+    assert not torch.allclose(pre.embedding, pre.hidden.mean(0))
 
 
 # --- sampling: speculative sampling reproduces the target distribution ---------------------------

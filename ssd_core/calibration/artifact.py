@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.backbone import EMBEDDINGS, LEGACY_EMBEDDING
+from ..engine.backbone import EMBEDDING
 from ..engine.loading import model_slug
 from ..engine.skipset import SkipSet
 from .domains import DOMAIN_DIR, domains_hash
@@ -72,9 +72,9 @@ class Calibration:
 
     @property
     def embedding(self) -> str:
-        """The prompt embedding the router's anchors were made with (engine.backbone.EMBEDDINGS);
-        a calibration that records none was made with the user-token mean."""
-        return self.meta.get("embedding", LEGACY_EMBEDDING)
+        """The prompt embedding the router's anchors were made with (engine.backbone.EMBEDDING for any
+        calibration that loads); one that records none was made with the user-token mean."""
+        return self.meta.get("embedding", OLD_EMBEDDING)
 
     def load_domain_map(self):
         """The fitted UMAP, checksum-verified (raises DomainMapError on any mismatch)."""
@@ -84,6 +84,7 @@ class Calibration:
 
 
 # --- save / load ---------------------------------------------------------------------------------
+OLD_EMBEDDING = "user_mean"     # what a calibration that records no embedding kind was made with (routing/#31)
 CHECKSUMMED = ("router.npz", "domain_map.npz", "umap.joblib", "channels.npz", "channel_means.npz")
 
 
@@ -137,11 +138,12 @@ def save(cal: Calibration, folder: Path | str, domain_map=None, extra_json: dict
 
 
 def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMAIN_DIR,
-         install: bool = True) -> Calibration:
+         install: bool = True, any_embedding: bool = False) -> Calibration:
     """Load and check a calibration; every failure is a CalibrationError that says what to do.
 
     backbone: the model it must fit. install: also make it the backbone's calibration (`install`);
-    False loads one beside the installed one (see `shares_backbone`)."""
+    False loads one beside the installed one (see `shares_backbone`). any_embedding: load one whose
+    router reads a prompt embedding this version does not compute (only to rebuild that router)."""
     folder = Path(folder)
     path = folder / "calibration.json"
     if not path.exists():
@@ -157,10 +159,11 @@ def load(folder: Path | str, backbone=None, domain_dir: Path | str | None = DOMA
     _check_files(folder, meta.get("files", {}))
     if backbone is not None:
         _check_model(meta, backbone)
-    if meta.get("embedding", LEGACY_EMBEDDING) not in EMBEDDINGS:
-        raise CalibrationError(f"calibration at {folder} routes on a {meta['embedding']!r} prompt embedding, "
-                               f"which this version cannot compute ({', '.join(EMBEDDINGS)}); rebuild its "
-                               f"router with python -m ssd_core.calibrate --rebuild-router --out {folder}")
+    embedding = meta.get("embedding", OLD_EMBEDDING)
+    if embedding != EMBEDDING and not any_embedding:
+        raise CalibrationError(f"calibration at {folder} routes on the {embedding!r} prompt embedding, which "
+                               f"this version no longer computes (only {EMBEDDING!r}); rebuild its router with "
+                               f"python -m ssd_core.calibrate --rebuild-router --out {folder}")
     if domain_dir is not None and meta.get("domains_hash") != domains_hash(domain_dir):
         raise CalibrationError(f"calibration at {folder} was made from other domain prompt files "
                                f"(hash mismatch); rebuild it with python -m ssd_core.calibrate")
@@ -203,19 +206,16 @@ def head_ids(cal: Calibration):
 
 
 def install_on(cal: Calibration, backbone) -> None:
-    """Make `cal` the backbone's calibration: its small draft head, its prompt embedding (prompts are
-    embedded as the anchors were) and its MLP channel rankings."""
+    """Make `cal` the backbone's calibration: its small draft head and its MLP channel rankings."""
     backbone.drafts.set_head(head_ids(cal))
-    backbone.set_embedding(cal.embedding)
     backbone.drafts.install_channels(cal.channel_ranks, cal.channel_means)
 
 
 def shares_backbone(cal: Calibration, backbone) -> str | None:
     """Whether `cal` can serve beside the backbone's installed calibration, drafting from the same
     backbone at once: None when it can (its channel rankings are added to the draft factory), else
-    why not (another prompt embedding or draft head, or a channel ranking of the same name that differs)."""
-    if cal.embedding != backbone.embedding_kind:
-        return f"it embeds prompts as {cal.embedding}, the served calibration as {backbone.embedding_kind}"
+    why not (another draft head, or a channel ranking of the same name that differs). Every calibration
+    that loads embeds prompts as backbone.EMBEDDING."""
     if head_ids(cal) != backbone.drafts.head_ids:
         return "its small draft head differs from the served calibration's"
     try:

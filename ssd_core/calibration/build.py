@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..engine.backbone import DEFAULT_EMBEDDING, Backbone
+from ..engine.backbone import EMBEDDING, Backbone
 from ..engine.device import add_device_argument
 from ..engine.draft import DRAFT_KINDS
 from ..engine.loading import load_backbone
@@ -186,7 +186,6 @@ def calibrate(model: str | None, out: Path, settings: CalibrationSettings | None
     t_start = time.perf_counter()
     timings = {}
     bb = backbone or load_backbone(model, threads=torch.get_num_threads(), device=device)
-    bb.set_embedding(DEFAULT_EMBEDDING)    # a backbone that ran an older calibration may pool otherwise
     prompts = load_prompts(s.domain_dir)
     splits = {d: split(ps) for d, ps in prompts.items()}
 
@@ -247,7 +246,7 @@ def calibrate(model: str | None, out: Path, settings: CalibrationSettings | None
     timings["total_s"] = time.perf_counter() - t_start
     searches = [*results.items(), *([("static", static)] if static else [])]
     meta = {
-        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden, "embedding": bb.embedding_kind,
+        "model": bb.name, "n_layers": bb.n_layers, "hidden": bb.hidden, "embedding": EMBEDDING,
         "domains": list(prompts), "domains_hash": domains_hash(s.domain_dir),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),

@@ -17,14 +17,18 @@ ROUTING_CHECK_DIR = DOMAIN_DIR.parent / "routing_check"
 
 def embed_prompts(bb: Backbone, prompts: list[str], max_prompt_tokens: int, desc: str,
                   progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(the backbone's embedding kind, user-token mean, whole-template mean) from the prefill."""
+    """(the embedding the router reads (backbone.EMBEDDING), and for the routing report's comparison the
+    user-token mean and the whole-template mean) from the prefill's final-norm hidden states."""
     used, user, whole = [], [], []
     for p in tqdm(prompts, desc=desc, disable=not progress, leave=False):
         ids = bb.encode(p, max_tokens=max_prompt_tokens)
-        pre = bb.prefill(ids, bb.new_cache(len(ids) + 1))
+        pre = bb.prefill(ids, bb.new_cache(len(ids) + 1), keep_hidden=True)
+        a, b = ids.user_span
+        if b <= a:
+            a, b = 0, len(ids)
         used.append(pre.embedding.float().cpu().numpy())
-        user.append(pre.embedding_user.float().cpu().numpy())
-        whole.append(pre.embedding_all.float().cpu().numpy())
+        user.append(pre.hidden[a:b].mean(0).float().cpu().numpy())
+        whole.append(pre.hidden.mean(0).float().cpu().numpy())
     return np.stack(used), np.stack(user), np.stack(whole)
 
 

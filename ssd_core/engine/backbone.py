@@ -27,13 +27,11 @@ from .weights import (LayerWeights, ModelWeights, onednn_available, onednn_linea
 EMPTY = SkipSet.empty()
 
 
-# How the prompt embedding is pooled from the prefill's final-norm hidden states (no extra pass):
-# "last_token": the state at the prompt's last position (after the chat template's assistant header
-# it has read the whole prompt; the one whose logits give the first token); "user_mean": the mean
-# over the user's own tokens (the embedding of calibrations made before routing/#31).
-EMBEDDINGS = ("last_token", "user_mean")
-DEFAULT_EMBEDDING = "last_token"
-LEGACY_EMBEDDING = "user_mean"      # what a calibration that records no embedding kind was made with
+# The prompt embedding the router reads, named as calibrations record it: "last_token", the prefill's
+# final-norm hidden state at the prompt's last position (after the chat template's assistant header it
+# has read the whole prompt; the one whose logits give the first token; no extra pass). The user-token
+# mean ("user_mean") that calibrations before routing/#31 used is no longer computed (issue #39).
+EMBEDDING = "last_token"
 
 
 @dataclass(frozen=True)
@@ -41,9 +39,8 @@ class Prefill:
     """What the prefill pass returns: next-token logits and the prompt embedding."""
 
     logits: torch.Tensor          # (vocab,) for the position after the prompt
-    embedding: torch.Tensor       # pooled as the backbone's `embedding_kind` says (EMBEDDINGS)
-    embedding_all: torch.Tensor   # mean over the whole templated prompt
-    embedding_user: torch.Tensor | None = None   # mean over the user's tokens only
+    embedding: torch.Tensor       # EMBEDDING: the final-norm hidden state at the prompt's last position
+    hidden: torch.Tensor | None = None   # (T, D) every position's, only when asked (calibration compares poolings)
 
 
 def _rope(x, cos, sin_rot):
@@ -113,7 +110,6 @@ class Backbone:
         self.eos_ids = frozenset(i for e in eos for i in (e if isinstance(e, (list, tuple)) else [e])
                                  if i is not None)
         self.drafts = DraftFactory(self)  # what draft passes read: draft kinds, small head, channel sets
-        self.embedding_kind = DEFAULT_EMBEDDING     # Prefill.embedding's pooling (the calibration's, set_embedding)
         self._lock = threading.Lock()   # guards the lazily built reference model
         self.kernel = ""                # the verifier's matmuls: "plain", "onednn" or "ONE/MANY" (set_kernel)
         self._copies = {}               # kernel → repacked copy of the weights ("onednn", "split"), while used
@@ -186,12 +182,6 @@ class Backbone:
             if self._hf_model is None:
                 self._hf_model = self._hf_loader()
             return self._hf_model
-
-    def set_embedding(self, kind: str) -> None:
-        """Pool Prefill.embedding as `kind` (EMBEDDINGS): the kind the loaded router was built with."""
-        if kind not in EMBEDDINGS:
-            raise ValueError(f"unknown embedding kind {kind!r}; known: {', '.join(EMBEDDINGS)}")
-        self.embedding_kind = kind
 
     # --- sizes -------------------------------------------------------------------------------
     def weight_bytes(self, skip: SkipSet = EMPTY) -> int:
@@ -283,18 +273,14 @@ class Backbone:
                 <= torch.arange(p0, end, device=self.device).unsqueeze(1)).repeat(self.group, 1)
 
     @torch.inference_mode()
-    def prefill(self, prompt: PromptIds, cache: KVCache) -> Prefill:
-        """Run the prompt with the full model; return next-token logits and the embedding."""
+    def prefill(self, prompt: PromptIds, cache: KVCache, keep_hidden: bool = False) -> Prefill:
+        """Run the prompt with the full model; return next-token logits and the embedding (EMBEDDING).
+        keep_hidden: also every position's final-norm hidden state (Prefill.hidden)."""
         if cache.length != 0:
             raise ValueError("prefill expects an empty cache")
         hidden = self.forward(prompt.ids, cache, EMPTY, logits="none")
         logits = self.head_logits(hidden[-1:])[0]
-        a, b = prompt.user_span
-        if b <= a:
-            a, b = 0, hidden.shape[0]
-        user = hidden[a:b].mean(0)
-        embedding = hidden[-1] if self.embedding_kind == "last_token" else user
-        return Prefill(logits=logits, embedding=embedding, embedding_all=hidden.mean(0), embedding_user=user)
+        return Prefill(logits=logits, embedding=hidden[-1], hidden=hidden if keep_hidden else None)
 
     # --- text ----------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool | None = None, max_tokens: int | None = None) -> PromptIds:
