@@ -283,8 +283,8 @@ def test_same_draft_and_the_route_line(tiny_calibration):
 @pytest.fixture(scope="module")
 def two_calibrations(tiny, tiny_calibration, tmp_path_factory):
     """A studio serving the tiny calibration with two more beside it under their own root: "tiny-own",
-    whose domains each draft with a set of their own, and "tiny-other-embedding" (prompts embedded
-    another way: it cannot share the backbone, so it is not offered)."""
+    whose domains each draft with a set of their own, and "tiny-other-embedding" (routed on the
+    user-token mean, which the backbone no longer computes: it does not load, so it is not offered)."""
     root = tmp_path_factory.mktemp("calibrations")
     for name in ("tiny-own", "tiny-other-embedding"):
         shutil.copytree(tiny_calibration.folder, root / name)
@@ -295,7 +295,7 @@ def two_calibrations(tiny, tiny_calibration, tmp_path_factory):
     doc_path.write_text(json.dumps(doc))
     other = root / "tiny-other-embedding" / "calibration.json"
     doc = json.loads(other.read_text())
-    doc["meta"]["embedding"] = "user_mean" if tiny_calibration.embedding != "user_mean" else "last_token"
+    doc["meta"]["embedding"] = "user_mean"
     other.write_text(json.dumps(doc))
     st = startup.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
     startup.load_choices(st, root=root)
