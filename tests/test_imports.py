@@ -4,6 +4,7 @@ A static scan (ast) of every import statement, function-level ones included (a l
 hide a circle), plus one fresh interpreter that imports every module.
 """
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,13 +125,30 @@ def test_the_core_imports_no_ui_and_every_module_imports():
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_the_app_script_skips_ipython():
+FAKE_IPYTHON = "import os\nwith open(os.environ['IPYTHON_IMPORTS'], 'a') as f:\n    f.write('IPython\\n')\n"
+
+
+def test_the_app_script_keeps_gradio_from_importing_ipython(tmp_path):
     """`python app.py` marks IPython absent before gradio would import it for notebook magics (0.6 s of
-    a warm start-up where IPython is installed); gradio's ImportError fallbacks take over."""
-    code = ("import runpy, sys\n"
-            "sys.argv = ['app.py', '--help']\n"
-            "try:\n    runpy.run_path('app.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "assert sys.modules.get('IPython') is None, sys.modules['IPython']\n"
-            "assert 'gradio' in sys.modules\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    a warm start-up where IPython is installed); gradio's ImportError fallbacks take over. A stand-in
+    IPython package first on the path records every import of it, whether IPython is installed or not:
+    a plain `import gradio` imports it (else the trick in app.py is pointless: remove it), `python
+    app.py` does not."""
+    (tmp_path / "site" / "IPython").mkdir(parents=True)
+    (tmp_path / "site" / "IPython" / "__init__.py").write_text(FAKE_IPYTHON)
+    imports = tmp_path / "imports.txt"
+    env = {**os.environ, "IPYTHON_IMPORTS": str(imports),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
+
+    def imported_ipython(code: str) -> bool:
+        imports.unlink(missing_ok=True)
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return imports.exists()
+
+    assert imported_ipython("import gradio"), "gradio no longer imports IPython: drop the trick in app.py"
+    assert not imported_ipython("import runpy, sys\n"
+                                "sys.argv = ['app.py', '--help']\n"
+                                "try:\n    runpy.run_path('app.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                                "assert 'gradio' in sys.modules\n"), "python app.py imported IPython"
