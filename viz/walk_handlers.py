@@ -62,7 +62,8 @@ def walk_start(studio: Studio, session, prompt, strategy_label, domain, gamma, k
     cfg, k = got
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     try:
-        start, *steps = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
+        with studio.quiet.job():
+            start, *steps = decode(studio.backbone, clean_prompt(prompt).strip(), strat, cfg)
     except Exception as exc:                       # the model failed: say so, keep serving
         log.exception("step-through decode failed")
         return dict(session=session, walk=f'<div class="walk idle">⚠ The model failed on this prompt: '
