@@ -1,15 +1,30 @@
 import os
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # shared CPUs: spinning threads starve each other
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import shutil
 import sys
+import tempfile
 
-import pytest
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# shared CPUs: spinning threads starve each other. For the tests' own threads only: the app processes the
+# tests start drop it (tests/test_browser.py, tests/loadtest.py), as a Space does not set it
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Everything the core caches (ssd_core.engine.machine.cache_dir: the verifier's kernel choices, converted
+# models) goes to a folder of this test session, set before any test module imports the core and inherited
+# by every process the tests start: a developer's warm ~/.cache/knn-ssd-studio (or their own KNN_SSD_CACHE)
+# cannot make a test pass. Removed at the end of the session (pytest_unconfigure).
+SESSION_CACHE = tempfile.mkdtemp(prefix="knn-ssd-test-cache-")
+os.environ["KNN_SSD_CACHE"] = SESSION_CACHE
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tiny import tiny_backbone  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

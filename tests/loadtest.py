@@ -77,7 +77,11 @@ class Server:
     """`python app.py` as a public Space would run it, on 127.0.0.1, its output kept for the report."""
 
     def __init__(self, port: int, upload_dir: Path, extra_env: dict):
-        env = {**os.environ, "SPACE_ID": "loadtest/local", "GRADIO_SERVER_NAME": "127.0.0.1",
+        # the caller's environment (under pytest: the session's own KNN_SSD_CACHE, tests/conftest.py), less
+        # OMP_WAIT_POLICY, which conftest sets for the tests' threads and a Space does not (PASSIVE doubles
+        # an int8 draft step)
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env = {**env, "SPACE_ID": "loadtest/local", "GRADIO_SERVER_NAME": "127.0.0.1",
                "GRADIO_SERVER_PORT": str(port), "GRADIO_TEMP_DIR": str(upload_dir),
                "GRADIO_ANALYTICS_ENABLED": "False", "PYTHONUNBUFFERED": "1", **extra_env}
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "app.py")], cwd=ROOT, env=env,

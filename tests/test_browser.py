@@ -5,7 +5,10 @@ inside the page, from the click event to the frame that paints the token, so tha
 own round trips (Python → playwright's driver → the browser, which on 2 busy cores added 0.1–0.5 s)
 do not count; the driver's view is printed next to it. The limits are the product's (≤ 30 s, ≤ 1 s)
 on this machine when it is not overloaded by other work; with a load average above the core count
-they are relaxed (and the measured numbers are printed either way).
+they are loosened, and the test prints (and its assertion message says) the limit used and the load
+average and core count that loosened it. The measured numbers are printed either way.
+The app runs as a visitor's machine would: in an empty HOME, without the test session's
+OMP_WAIT_POLICY (conftest sets PASSIVE for the tests' own threads; it doubles an int8 draft step).
 Screenshots go to $KNN_SSD_SCREENSHOT_DIR (default: out/screenshots, git-ignored).
 Without Chromium or playwright the tests skip locally, but FAIL when $CI is set: a CI run that
 silently skipped the browser would report a green build that checked nothing.
@@ -55,8 +58,22 @@ def _missing(what: str) -> None:
     pytest.skip(what)
 
 
-def _busy() -> bool:
-    return os.getloadavg()[0] > (os.cpu_count() or 1)
+def _load() -> tuple[float, int]:
+    """(1-minute load average, cores) now."""
+    return os.getloadavg()[0], os.cpu_count() or 1
+
+
+def _limit(what: str, product_s: float, loosened_s: float, load: tuple[float, int]) -> tuple[float, str]:
+    """The limit for `what`: the product's, or `loosened_s` when the load average was above the core
+    count (other work on the machine); and words naming the limit used and the load behind it, printed
+    at once and meant for the assertion message."""
+    avg, cores = load
+    loosened = avg > cores
+    words = (f"{what}: limit LOOSENED to {loosened_s} s from the product's {product_s} s, because the load "
+             f"average was {avg:.2f} on {cores} cores" if loosened else
+             f"{what}: the product's limit {product_s} s (load average {avg:.2f} on {cores} cores)")
+    print("\n" + words)
+    return (loosened_s if loosened else product_s), words
 
 
 def _free_port() -> int:
@@ -96,6 +113,17 @@ def _reported(lines) -> float | None:
     return float(found.group(2)) if found else None
 
 
+def app_env(home: Path, port: int) -> dict:
+    """The environment `python app.py` runs in: the tests' own, with the app finding its caches under the
+    empty `home` (as on a new machine; not the session's KNN_SSD_CACHE) and without the OMP_WAIT_POLICY
+    conftest sets for the tests' threads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KNN_SSD_CACHE", "OMP_WAIT_POLICY")}
+    env.update({"HOME": str(home), "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+                "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1"})
+    return env
+
+
 @pytest.fixture(scope="module")
 def fresh_home(tmp_path_factory):
     """An empty HOME: the app starts as on a new machine or a rebuilt Space (no model cache)."""
@@ -111,20 +139,20 @@ def server(fresh_home):
     except ImportError:
         _missing("playwright (python) is not installed: pip install -r requirements-dev.txt")
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "KNN_SSD_CACHE"}
-    env.update({"HOME": str(fresh_home), "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-                "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "PYTHONUNBUFFERED": "1"})
+    env = app_env(fresh_home, port)
     # first a cold start (converts the GGUF into the empty HOME), stopped at once so that its background
     # UMAP import does not compete with the second, warm start, which then serves the tests
     proc, cold_lines, cold = _launch(env, port)
+    cold_load = _load()                           # the load the start-up ran under (1-minute average)
     _stop(proc)
     port = _free_port()
     env["GRADIO_SERVER_PORT"] = str(port)
     proc, lines, wall = _launch(env, port)
+    warm_load = _load()
     try:
         yield {"url": f"http://127.0.0.1:{port}", "cold_s": cold, "cold_log": "".join(cold_lines),
-               "wall_s": wall, "log": "".join(lines), "startup_s": _reported(lines) or wall}
+               "cold_load": cold_load, "wall_s": wall, "log": "".join(lines), "warm_load": warm_load,
+               "startup_s": _reported(lines) or wall}
     finally:
         _stop(proc)
 
@@ -209,20 +237,19 @@ def test_cold_start_up_is_quick_enough(server):
     """From an empty HOME: the first run converts the GGUF (≤ 30 s on 2 cores when not overloaded)."""
     log = server["cold_log"]
     assert "start-up (cold" in log, log[-2000:]
-    limit = 90 if _busy() else 30
-    print(f"\ncold start-up: {server['cold_s']:.1f} s from `python app.py` to 'Running on' (the app reports "
-          f"{_reported(server['cold_log'])} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
-          f"cores; limit {limit} s)")
-    assert server["cold_s"] <= limit, log[-2000:]
+    limit, why = _limit("cold start-up", 30, 90, server["cold_load"])
+    print(f"cold start-up: {server['cold_s']:.1f} s from `python app.py` to 'Running on' (the app reports "
+          f"{_reported(server['cold_log'])} s)")
+    assert server["cold_s"] <= limit, f"cold start-up {server['cold_s']:.1f} s; {why}\n" + log[-2000:]
 
 
 def test_warm_start_up_is_quick_enough(server):
     """The second launch in the same HOME reads the dequantised model from the cache (≤ 15 s)."""
     log = server["log"]
     assert "start-up (warm" in log, log[-2000:]
-    limit = 45 if _busy() else 15
-    print(f"\nwarm start-up: {server['wall_s']:.1f} s (the app reports {server['startup_s']} s; limit {limit} s)")
-    assert server["wall_s"] <= limit, log[-2000:]
+    limit, why = _limit("warm start-up", 15, 45, server["warm_load"])
+    print(f"warm start-up: {server['wall_s']:.1f} s (the app reports {server['startup_s']} s)")
+    assert server["wall_s"] <= limit, f"warm start-up {server['wall_s']:.1f} s; {why}\n" + log[-2000:]
 
 
 def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
@@ -235,11 +262,10 @@ def test_generate_streams_coloured_tokens_and_both_plots(server, browser):
     assert "routed to translation" in page.inner_text("#route"), page.inner_text("#route")
     _wait_for_prompt_on_map(page, PROMPT)
     firsts.append(_first_token_after_click(page, PROMPT))     # start-up work done: no first-call costs at all
-    limit = 2.0 if _busy() else 1.0
-    print(f"\nclick → first coloured token painted: {', '.join(f'{t:.2f} s' for t, _ in firsts)} (timed in the "
-          f"page; the test driver saw it after {', '.join(f'{d:.2f} s' for _, d in firsts)}; load average "
-          f"{os.getloadavg()[0]:.1f}; limit {limit} s)")
-    assert min(t for t, _ in firsts) <= limit
+    limit, why = _limit("click → first coloured token", 1.0, 2.0, _load())
+    print(f"click → first coloured token painted: {', '.join(f'{t:.2f} s' for t, _ in firsts)} (timed in the "
+          f"page; the test driver saw it after {', '.join(f'{d:.2f} s' for _, d in firsts)})")
+    assert min(t for t, _ in firsts) <= limit, f"first token {min(t for t, _ in firsts):.2f} s; {why}"
     # greedy KNN-SSD with γ = 4 over 96 tokens: drafts are accepted and rejected, the verifier adds its own
     kinds = {k: page.locator(f"#tokens .tok.{k}").count() for k in ("acc", "rej", "ver")}
     assert kinds["acc"] >= 1 and kinds["rej"] >= 1 and kinds["ver"] >= 1 and sum(kinds.values()) >= 8, kinds
