@@ -9,7 +9,11 @@ import gradio as gr
 import pytest
 
 import app
+from viz import adapter
+from viz import api_handlers
 from viz import handlers
+from viz import page_handlers
+from viz import race_handlers
 from viz import startup
 from viz import studio as vstudio
 from viz import walk_handlers
@@ -233,21 +237,21 @@ def test_knapspec_resends_the_layer_map_when_its_set_changes(studio):
 
 
 def test_race_measures_both_and_checks_losslessness(studio):
-    outs = run(handlers.race, studio, "static set")
+    outs = run(race_handlers.race, studio, "static set")
     race = outs[-1]["session"].race
     assert race.identical is True and race.tokens == race.ar_tokens
     assert race.speedup == pytest.approx(race.tokens_per_s / race.ar_tokens_per_s)
     assert "✓ identical" in column(outs, "race")[-1]
     assert f"{race.speedup:.2f}×" in column(outs, "stats")[-1]
     assert "measured" in column(outs, "cost")[-1]
-    sampled = run(handlers.race, studio, "static set", temperature=0.8)[-1]["session"].race
+    sampled = run(race_handlers.race, studio, "static set", temperature=0.8)[-1]["session"].race
     assert sampled.identical is None                    # sampling: lossless is about distributions
 
 
 def test_race_vs_static_measures_the_routed_draft_against_the_static_one(studio):
     """Race vs static: KNN-SSD's routed draft, then the static draft on the same prompt: both τ, both sets,
     and the sentence that says when routing changed nothing."""
-    outs = run(handlers.race_static, studio, "static set")        # static vs static makes no race: KNN runs
+    outs = run(race_handlers.race_static, studio, "static set")        # static vs static makes no race: KNN runs
     race = outs[-1]["session"].race
     cal = studio.calibration
     assert outs[-1]["session"].run.strategy == "knn"
@@ -312,10 +316,10 @@ def test_the_calibration_chooser_is_each_visitors_own(two_calibrations, tiny):
     assert "7 of 7 domains draft with a set of their own" in own.line and "KNN-SSD layer sets" in own.title
     if all(s.same_draft(served.static) for s in served.domain_sets.values()):
         assert "routing changes nothing" in st.choices[st.cal_folder.name].line
-    picked = handlers.choose_calibration(st, None, "tiny-own")
+    picked = page_handlers.choose_calibration(st, None, "tiny-own")
     session = picked["session"]
     assert session.calibration == "tiny-own" and "tiny-own" in picked["cal_info"]
-    assert set(picked) == set(handlers.CHOOSE_OUTPUTS)
+    assert set(picked) == set(page_handlers.CHOOSE_OUTPUTS)
     mine = run(handlers.generate, st, "oracle", session=session, domain="math")[-1]["session"].run
     theirs = run(handlers.generate, st, "oracle", domain="math")[-1]["session"].run
     assert mine.start.skip.same_draft(own.calibration.domain_sets["math"])
@@ -327,12 +331,12 @@ def test_the_calibration_chooser_is_each_visitors_own(two_calibrations, tiny):
     assert trace["meta"]["calibration"] == "tiny-own"
     int8 = [label for label in tiny.drafts.memory() if label.startswith("int8")]
     assert len(int8) == 1                                # one int8 draft serves both calibrations
-    back = handlers.choose_calibration(st, session, st.cal_folder.name)
+    back = page_handlers.choose_calibration(st, session, st.cal_folder.name)
     assert back["session"].calibration is None
-    assert handlers.choose_calibration(st, session, "no-such")["session"].calibration is None
-    api = handlers.generate_text(st, PROMPT, "oracle", 8, calibration="tiny-own")
+    assert page_handlers.choose_calibration(st, session, "no-such")["session"].calibration is None
+    api = api_handlers.generate_text(st, PROMPT, "oracle", 8, calibration="tiny-own")
     assert api["calibration"] == "tiny-own" and "error" not in api
-    assert "unknown calibration" in handlers.generate_text(st, PROMPT, calibration="nope")["error"]
+    assert "unknown calibration" in api_handlers.generate_text(st, PROMPT, calibration="nope")["error"]
 
 
 def test_a_calibration_with_a_different_channel_ranking_of_the_same_name_is_refused(tiny):
@@ -375,13 +379,13 @@ def test_examples_cycle_through_held_out_prompts(studio):
     assert dom == "math" and first in studio.examples["math"] and second in studio.examples["math"]
     assert (first != second) == (len(studio.examples["math"]) > 1)
     assert handlers.strategy_changed("oracle")["oracle_domain"].visible is True
-    assert app.outputs(handlers.strategy_changed("oracle"), ["oracle_domain"])["visible"] is True
+    assert adapter.outputs(handlers.strategy_changed("oracle"), ["oracle_domain"])["visible"] is True
 
 
 def test_try_these_fills_a_held_out_prompt_and_races_it(studio):
     picked = handlers.pick_example(studio, None, domain="translation")
     assert picked["prompt"] in studio.examples["translation"]
-    outs = run(handlers.race, studio, "KNN-SSD", prompt=picked["prompt"], session=picked["session"])
+    outs = run(race_handlers.race, studio, "KNN-SSD", prompt=picked["prompt"], session=picked["session"])
     session = outs[-1]["session"]
     assert session is picked["session"] and session.run.prompt == picked["prompt"].strip()
     assert session.race.identical is True and "✓ identical" in column(outs, "race")[-1]
@@ -474,22 +478,22 @@ def test_app_without_calibration_runs_autoregressive_and_offers_one(tiny, tiny_c
     calls = []
     monkeypatch.setattr(ssd_core.calibration.build, "calibrate",
                         lambda *a, **kw: calls.append(kw) or tiny_calibration)
-    assert set(handlers.page_load(bare, None, None)) == {"session"}            # nothing changed yet
-    unchanged = app.outputs(handlers.page_load(bare, None, None), handlers.PAGE_OUTPUTS)
+    assert set(page_handlers.page_load(bare, None, None)) == {"session"}            # nothing changed yet
+    unchanged = adapter.outputs(page_handlers.page_load(bare, None, None), page_handlers.PAGE_OUTPUTS)
     assert all(v == gr.skip() for v in unchanged[1:])
     banner, button = app.run_calibration(bare, progress=lambda *a, **kw: None)
     assert calls and calls[0]["backbone"] is tiny and "loaded" in banner["value"]
     assert bare.calibration is tiny_calibration and button["visible"] is False
-    fresh = handlers.page_load(bare, None, None)        # a page built before the calibration existed
+    fresh = page_handlers.page_load(bare, None, None)        # a page built before the calibration existed
     assert fresh["cal_row"].visible is False and fresh["strategy"].value == "KNN-SSD"
     assert "routing accuracy" in fresh["domains_md"] and fresh["sets_plot"].visible is True
-    adapted = app.outputs(fresh, handlers.PAGE_OUTPUTS)
+    adapted = adapter.outputs(fresh, page_handlers.PAGE_OUTPUTS)
     assert adapted[1]["visible"] is False and adapted[3]["value"] == "KNN-SSD" and adapted[2] == gr.skip()
 
 
 def test_the_layout_has_every_part(studio):
     demo = app.build(studio)
-    assert isinstance(handlers.page_load(studio, studio.calibration, None)["session"], Session)
+    assert isinstance(page_handlers.page_load(studio, studio.calibration, None)["session"], Session)
     ids = {c.get("props", {}).get("elem_id") for c in demo.config["components"]}
     for part in ("prompt", "strategy", "generate-btn", "race-btn", "stop-btn", "tokens", "legend", "stats",
                  "route", "domain-map", "layer-map", "walk", "cost", "what-if"):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 import app
+from viz import api_handlers
 from viz import handlers
 from viz import startup
 from viz import studio as vstudio
@@ -85,7 +86,7 @@ def test_bad_settings_through_the_api_function(studio, case):
     s = {**GOOD, **BAD_SETTINGS[case]}
     if case == "k_nan":
         pytest.skip("the plain API has no K")
-    res = handlers.generate_text(studio, "hello", "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
+    res = api_handlers.generate_text(studio, "hello", "KNN-SSD", s["max_new"], s["gamma"], s["threshold"],
                             s["temperature"], s["top_p"])
     assert "error" in res and "Setting not accepted" in res["error"]
 
@@ -97,7 +98,7 @@ def test_control_characters_are_dropped_and_unicode_kept():
 
 
 def test_request_size_limit(studio):
-    res = handlers.generate_text(studio, "x" * (vstudio.MAX_PROMPT_CHARS + 1))
+    res = api_handlers.generate_text(studio, "x" * (vstudio.MAX_PROMPT_CHARS + 1))
     assert "limit" in res["error"]
 
 
@@ -214,7 +215,7 @@ def test_corrupt_calibration_falls_back_with_a_banner(tiny, tiny_calibration, tm
     # the banner names the file relative to the repo and never shows the repo's absolute path
     assert "checksum mismatch for assets/calibration/tiny/router.npz" in st.cal_error, st.cal_error
     assert str(tmp_path) not in st.cal_error, st.cal_error
-    res = handlers.generate_text(st, "hello there", "KNN-SSD", 8)
+    res = api_handlers.generate_text(st, "hello there", "KNN-SSD", 8)
     assert res["strategy"] == "ar" and res["new_tokens"] >= 1
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from ssd_core.engine.trace import Trace
 from viz import handlers
+from viz import race_handlers
 from viz import startup
 from viz import studio as vstudio
 from viz import trace_handlers as th
@@ -44,7 +45,7 @@ def spans(html: str) -> list[str]:
     return re.findall(r'<span class="tok [^"]*"[^>]*>.*?</span>', html)
 
 
-@pytest.mark.parametrize("handler,label", [(handlers.generate, "KNN-SSD"), (handlers.race, "KnapSpec"),
+@pytest.mark.parametrize("handler,label", [(handlers.generate, "KNN-SSD"), (race_handlers.race, "KnapSpec"),
                                            (handlers.generate, "autoregressive")])
 def test_a_replay_shows_the_same_tokens_stats_and_route_as_the_live_run(studio, tiny, monkeypatch, handler,
                                                                         label):
@@ -64,7 +65,7 @@ def test_a_replay_shows_the_same_tokens_stats_and_route_as_the_live_run(studio, 
     assert all(set(o) <= set(th.REPLAY_OUTPUTS) for o in replayed)
     again = replayed[-1]["session"].run
     assert again.stats == run.stats                                   # same τ, α, tokens/s (recorded times)
-    if handler is handlers.race:
+    if handler is race_handlers.race:
         assert "identical" in last(replayed, "race") and replayed[-1]["session"].race == live[-1]["session"].race
     # the replay can be downloaded again, unchanged
     assert Trace.load(last(replayed, "trace_file")).to_json() == trace.to_json()
@@ -144,7 +145,7 @@ def test_a_trace_from_another_calibration_replays_without_the_map(studio, monkey
 
 def test_a_hand_edited_race_result_is_dropped_not_drawn(studio, monkeypatch, tmp_path):
     monkeypatch.setattr(th.time, "sleep", lambda s: None)
-    d = json.loads(open(last(list(handlers.race(studio, None, *SETTINGS)), "trace_file")).read())
+    d = json.loads(open(last(list(race_handlers.race(studio, None, *SETTINGS)), "trace_file")).read())
     assert th._race(d["meta"]["race"]) is not None
     d["meta"]["race"]["tokens_per_s"] = "fast"
     f = tmp_path / "t.json"

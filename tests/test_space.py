@@ -22,7 +22,10 @@ from ssd_core.calibration.latency import LatencyModel
 from ssd_core.engine.decode import Step
 from ssd_core.engine.ties import NEAR_TIE, logit_gap
 from ssd_core.engine.trace import Trace
+from viz import adapter
+from viz import api_handlers
 from viz import handlers
+from viz import race_handlers
 from viz import limits as vlimits
 from viz import startup
 from viz import stats as vstats
@@ -144,8 +147,8 @@ def test_over_a_cap_a_visitor_reads_a_sentence(studio, monkeypatch):
     monkeypatch.setattr(studio, "limits", small)
     out = list(handlers.generate(studio, None, PROMPT, "KNN-SSD", None, 64, 3, 0.0, 0.0, 1.0, 5))
     assert len(out) == 1 and "between 1 and 16" in out[0]["tokens"]
-    assert "between 1 and 16" in handlers.generate_text(studio, PROMPT, max_new_tokens=64)["error"]
-    raced = list(handlers.race(studio, None, PROMPT, "KNN-SSD", None, 16, 3, 0.0, 0.0, 1.0, 5))
+    assert "between 1 and 16" in api_handlers.generate_text(studio, PROMPT, max_new_tokens=64)["error"]
+    raced = list(race_handlers.race(studio, None, PROMPT, "KNN-SSD", None, 16, 3, 0.0, 0.0, 1.0, 5))
     run = raced[-1]["session"].run
     assert run.config.max_new_tokens == 8 and any("each lap stops at 8" in o.get("stats", "") for o in raced)
     path = _saved(raced[-1]["trace_file"])
@@ -170,7 +173,7 @@ def test_one_visitor_may_not_hold_more_than_the_in_flight_cap():
         return True, "id", "success"
     queue = SimpleNamespace(push=push, active_jobs=[None, [event("a")]],
                             event_queue_per_concurrency_id={"model": SimpleNamespace(queue=[event("a"), event("b")])})
-    app.gate_per_visitor(queue, 2)
+    adapter.gate_per_visitor(queue, 2)
     ok, message, status = asyncio.run(queue.push(SimpleNamespace(session_hash="a"), None))
     assert not ok and status == "error" and "2 requests running or waiting" in message
     assert asyncio.run(queue.push(SimpleNamespace(session_hash="b"), None))[0] and pushed == ["b"]
@@ -235,11 +238,11 @@ def test_an_uploaded_trace_is_deleted_once_read_and_replays_again(studio, tmp_pa
     other = tmp_path / "gradio" / ("0" * 64) / "other.json"            # someone else's upload
     other.parent.mkdir()
     other.write_text("{}")
-    first = list(th.replay(studio, None, content, "instant", discard=app.upload_forgetter(0)))
+    first = list(th.replay(studio, None, content, "instant", discard=adapter.upload_forgetter(0)))
     assert not upload.parent.exists() and other.exists()
     upload.parent.mkdir()
     upload.write_bytes(content)                                        # uploaded again by another visitor
-    again = list(th.replay(studio, None, content, "instant", discard=app.upload_forgetter(0)))
+    again = list(th.replay(studio, None, content, "instant", discard=adapter.upload_forgetter(0)))
     assert again[-1]["session"].run.token_ids == first[-1]["session"].run.token_ids and not upload.exists()
     vlimits.forget_upload("../../etc")                                 # only hash-named folders, ever
     assert (tmp_path / "gradio").exists() and other.exists()
@@ -267,12 +270,12 @@ def test_session_state_has_a_time_to_live(studio):
 
 # --- small holes --------------------------------------------------------------------------------------------
 def test_sampling_seeds_differ_per_request_unless_the_visitor_sets_one(studio):
-    a = handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0)
-    b = handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0)
+    a = api_handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0)
+    b = api_handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0)
     assert a["seed"] != b["seed"]
-    c = handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0, seed=a["seed"])
+    c = api_handlers.generate_text(studio, PROMPT, max_new_tokens=12, temperature=1.0, seed=a["seed"])
     assert c["text"] == a["text"] and c["seed"] == a["seed"]
-    assert "seed" in handlers.generate_text(studio, PROMPT, temperature=1.0, seed=-1)["error"]
+    assert "seed" in api_handlers.generate_text(studio, PROMPT, temperature=1.0, seed=-1)["error"]
     out = list(handlers.generate(studio, None, PROMPT, "KNN-SSD", None, 8, 3, 0.0, 1.0, 1.0, 5, seed=7))
     assert out[-1]["session"].run.config.seed == 7
 
@@ -303,10 +306,10 @@ def test_a_decode_that_raises_is_a_message_and_the_server_keeps_serving(studio, 
     monkeypatch.setattr(handlers, "decode", broken)
     out = list(handlers.generate(studio, None, *SETTINGS))
     assert "model failed" in out[-1]["tokens"] and "/root" not in out[-1]["tokens"]
-    raced = list(handlers.race(studio, None, *SETTINGS))
+    raced = list(race_handlers.race(studio, None, *SETTINGS))
     assert "model failed" in raced[-1]["tokens"] and "race stopped" in raced[-1]["race"]
-    monkeypatch.setattr(handlers, "core_generate", lambda *a, **kw: broken().__next__())
-    assert "model failed" in handlers.generate_text(studio, PROMPT)["error"]
+    monkeypatch.setattr(api_handlers, "core_generate", lambda *a, **kw: broken().__next__())
+    assert "model failed" in api_handlers.generate_text(studio, PROMPT)["error"]
     monkeypatch.setattr(wh, "decode", broken)
     assert "model failed" in wh.walk_start(studio, None, PROMPT, "KNN-SSD", None, 3, 5)["walk"]
 
@@ -339,8 +342,8 @@ def test_the_race_measures_the_gap_where_texts_part(studio, monkeypatch):
             if strategy.name == "ar" and isinstance(ev, Step) and ev.index == 2:
                 ev = dataclasses.replace(ev, committed=tuple((t + 1) % bb.vocab for t in ev.committed))
             yield ev
-    monkeypatch.setattr(handlers, "decode", ar_goes_elsewhere)
-    raced = list(handlers.race(studio, None, *SETTINGS))
+    monkeypatch.setattr(race_handlers, "decode", ar_goes_elsewhere)      # the second lap decodes there
+    raced = list(race_handlers.race(studio, None, *SETTINGS))
     result = raced[-1]["session"].race
     assert result.identical is False and result.first_difference is not None and result.tie_gap is not None
     assert "texts" in raced[-1]["race"]
