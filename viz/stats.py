@@ -171,7 +171,7 @@ def race_html(race: RaceResult | None, *, running: str = "") -> str:
     spread = ""
     if race.spread is not None:
         lo, hi = race.spread
-        spread = (f'<div class="race-note">Measured in lockstep over the decode phase (each lap's first step '
+        spread = ('<div class="race-note">Measured in lockstep over the decode phase (each lap\'s first step '
                   f'warms up, uncounted); over each third of the laps the ratio read {lo:.2f}–{hi:.2f}×.</div>')
     head = (f'<span class="race-speedup {speedup_class(race.speedup)}">{race.speedup:.2f}×</span> '
             f'<span class="race-verdict">{escape(verdict)}</span>')
