@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -85,6 +86,22 @@ def load_1min() -> float | None:
         return None
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine so far (/proc/stat), or None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)          # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def git_commit() -> str | None:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -140,6 +157,7 @@ def launch(home: Path, expect: str, app_args: list[str], timeout_s: float) -> di
     """One `python app.py` from start to the first HTTP answer on its port; the app is stopped after."""
     port = free_port()
     load = load_1min()
+    ticks, app_cpu = cpu_ticks(), children_cpu_s()
     lines: list[str] = []
     seen: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -165,15 +183,20 @@ def launch(home: Path, expect: str, app_args: list[str], timeout_s: float) -> di
                 break
             time.sleep(0.1)
     finally:
+        ticks_end = cpu_ticks()
         stop(proc)
         reader.join(timeout=5)
+    app_cpu = children_cpu_s() - app_cpu
+    busy = None
+    if ticks and ticks_end and ticks_end[1] > ticks[1]:
+        busy = round((ticks_end[0] - ticks[0]) / (ticks_end[1] - ticks[1]), 2)
     text = "".join(lines)
     if http_s is None:
         why = f"exited with {proc.returncode}" if proc.returncode not in (None, -15) else f"no answer in {timeout_s} s"
         raise SystemExit(f"`python app.py` did not answer on its port ({why}):\n{text[-3000:]}")
     record = {"expected": expect, **parse_startup(text), "http_s": round(http_s, 2),
               "running_on_s": round(seen["running_on_s"], 2) if "running_on_s" in seen else None,
-              "load_1m_before": load}
+              "load_1m_before": load, "machine_busy": busy, "app_cpu_s": round(app_cpu, 1)}
     if record.get("kind") != expect:
         raise SystemExit(f"expected a {expect} start, the app printed: {record.get('kind')!r}\n{text[-3000:]}")
     return record
@@ -229,7 +252,10 @@ def main(argv=None) -> None:
             "reported_s": "the app's own figure (from its first line of code to the start-up line, before the "
                           "server starts): imports_s + model_s + calibration_s + warmup_ui_s",
             "cold": "empty HOME and KNN_SSD_CACHE: the first run converts the embedded GGUF",
-            "warm": "the same folders again: the model is read from the cache"},
+            "warm": "the same folders again: the model is read from the cache",
+            "machine_busy": "share of all cores busy (any process) from the start to the HTTP answer (/proc/stat)",
+            "app_cpu_s": "CPU seconds the app used, start to stop (it is stopped right after the HTTP answer): "
+                         "well below machine_busy × cores × http_s means other processes took the cores"},
         "median": {"cold": medians([r for r in runs if r["expected"] == "cold"]),
                    "warm": medians([r for r in runs if r["expected"] == "warm"])},
         "runs": runs,
