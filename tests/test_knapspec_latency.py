@@ -96,7 +96,7 @@ def test_profile_recovers_a_known_cost_model(tiny, monkeypatch):
     import ssd_core.calibration.latency as latency
     A, B, M, BARE, V = 2e-4, 3e-6, 5e-4, 0.2, 1e-3
 
-    def timed(bb, cache, n_tokens, context, skip, repeats, draft=None):
+    def timed(bb, cache, n_tokens, context, skip, repeats, draft=None, turn=None):
         L = bb.n_layers
         return BARE + (L - len(skip.attn)) * (A + B * context) + (L - len(skip.mlp)) * M + V * (n_tokens - 1)
     monkeypatch.setattr(latency, "_time_forward", timed)

@@ -303,7 +303,9 @@ def test_a_decode_that_raises_is_a_message_and_the_server_keeps_serving(studio, 
     def broken(*a, **kw):
         raise RuntimeError("simulated kernel failure at /root/secret/path")
         yield
+    from ssd_core.engine import race as core_race
     monkeypatch.setattr(handlers, "decode", broken)
+    monkeypatch.setattr(core_race, "decode", broken)          # the races' laps
     out = list(handlers.generate(studio, None, *SETTINGS))
     assert "model failed" in out[-1]["tokens"] and "/root" not in out[-1]["tokens"]
     raced = list(race_handlers.race(studio, None, *SETTINGS))
@@ -342,7 +344,8 @@ def test_the_race_measures_the_gap_where_texts_part(studio, monkeypatch):
             if strategy.name == "ar" and isinstance(ev, Step) and ev.index == 2:
                 ev = dataclasses.replace(ev, committed=tuple((t + 1) % bb.vocab for t in ev.committed))
             yield ev
-    monkeypatch.setattr(race_handlers, "decode", ar_goes_elsewhere)      # the second lap decodes there
+    from ssd_core.engine import race as core_race
+    monkeypatch.setattr(core_race, "decode", ar_goes_elsewhere)      # both laps decode there
     raced = list(race_handlers.race(studio, None, *SETTINGS))
     result = raced[-1]["session"].race
     assert result.identical is False and result.first_difference is not None and result.tie_gap is not None

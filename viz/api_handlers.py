@@ -32,8 +32,9 @@ def generate_text(studio: Studio, prompt: str, strategy: str = "KNN-SSD", max_ne
     if studio.calibration is None:
         name = "ar"
     try:
-        g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
-                          make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
+        with studio.quiet.job():
+            g = core_generate(studio.backbone, clean_prompt(prompt).strip(),
+                              make_strategy(studio, name, cfg.gamma, 5, None, cfg.draft), cfg)
     except Exception as exc:        # the model failed on this request: say so, keep serving
         log.exception("generate_text failed")
         return {"error": model_failed(exc)}

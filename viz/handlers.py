@@ -65,8 +65,9 @@ def run_stream(studio: Studio, session: Session, prompt: str, strategy: str, dom
     run = Run(prompt, strategy, cfg)
     session.run, session.stop = run, False
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
-    yield from show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
-                                                             should_stop=lambda: session.stop)), cal_note)
+    with studio.quiet.job():          # background measurements wait for it (profiles.Quiet)
+        yield from show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
+                                                                 should_stop=lambda: session.stop)), cal_note)
 
 
 def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):

@@ -1,43 +1,64 @@
-"""The races, without Gradio: Race vs AR and Race vs static. The chosen strategy runs first (streamed, the
-same view as Generate), then autoregressive decoding or the static draft on the same prompt and settings;
-then both speeds and the lossless check (where greedy texts part: how close that choice was)."""
+"""The races, without Gradio: Race vs AR and Race vs static. The chosen strategy and its opponent
+(autoregressive decoding, or the static draft) decode the same prompt with the same settings in lockstep
+(engine.race: whichever lap is behind steps next, each lap's first step warms up uncounted); the chosen
+strategy streams as Generate does; then both decode-phase speeds, the run's own costs and the lossless
+check (where greedy texts part: how close that choice was)."""
 from __future__ import annotations
 
 import logging
+import time
 
-from ssd_core.engine.decode import Start, decode, encode_for
+from ssd_core.engine.decode import Start, encode_for
 from ssd_core.engine.generate import summarize
+from ssd_core.engine.race import lockstep, measured_costs, segment_ratios
 from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
 from viz import stats as vstats
-from viz.handlers import failed, refused, request_settings, run_stream, timed
-from viz.session import NO_TRACE, Session, cost_view, stats_view, trace_download, visitor
+from viz.handlers import failed, refused, request_settings, show_events
+from viz.session import NO_TRACE, Run, Session, cost_view, stats_view, trace_download, visitor
 from viz.studio import DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, clean_prompt, make_strategy
 
 log = logging.getLogger("knn-ssd-studio")
 
+UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while the laps run (tokens coalesced)
+
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
          temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
-    """Race: the chosen strategy (streamed) then autoregressive on the same prompt; speeds + lossless check."""
+    """Race: the chosen strategy (streamed) and autoregressive decoding in lockstep on the same prompt;
+    speeds + lossless check."""
     yield from _race(studio, session, prompt, strategy_label, domain, max_new, gamma, threshold, temperature,
                      top_p, k, draft, seed)
 
 
 def race_static(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
                 temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
-    """Race vs static: the routed draft (KNN-SSD, or the chosen routing strategy) then the static draft on
-    the same prompt and settings: what routing itself gains (τ, tokens/s, both sets)."""
+    """Race vs static: the routed draft (KNN-SSD, or the chosen routing strategy) and the static draft in
+    lockstep on the same prompt and settings: what routing itself gains (τ, tokens/s, both sets)."""
     yield from _race(studio, session, prompt, strategy_label, domain, max_new, gamma, threshold, temperature,
                      top_p, k, draft, seed, against="static")
 
 
+def coalesce(updates, every_s: float = UPDATE_EVERY_S):
+    """Named-output dicts merged so that at most one goes out every `every_s` (the first at once, the last
+    always): each page update costs the server work beside the decode, on the same two cores."""
+    pending, last = {}, float("-inf")
+    for update in updates:
+        pending.update(update)
+        now = time.monotonic()
+        if now - last >= every_s:
+            yield pending
+            pending, last = {}, now
+    if pending:
+        yield pending
+
+
 def _race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold, temperature, top_p,
           k, draft, seed=None, against: str = "ar"):
-    """Both races' body: check the request, stream the strategy, then the second lap and the lossless check
-    (against "ar": plain decoding, "static": the static draft). A decode that raises becomes a message in
-    the token panel; the server keeps serving."""
+    """Both races' body: check the request, run the laps, then the verdict (against "ar": plain decoding,
+    "static": the static draft). A decode that raises becomes a message in the token panel; the server
+    keeps serving."""
     studio, session = visitor(studio, session)
     err, got = request_settings(studio, True, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed)
     if err:
@@ -52,62 +73,72 @@ def _race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamm
             return
         if strategy == "ar" or (against == "static" and strategy == "static"):
             strategy = "knn" if studio.calibration is not None else "ar"
+        name = "autoregressive" if against == "ar" else "static draft"
         # the last run's download link goes with the first update
-        yield dict(session=session, race=vstats.race_html(None, running=f"1/2 · {LABELS[strategy]} running…"),
-                   trace_file=NO_TRACE)
-        for update in run_stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k), note):
-            yield dict(session=session, **update)
-        yield from _second_lap(studio, session, prompt, cfg, against)
+        yield dict(session=session, race=vstats.race_html(None, running=f"{LABELS[strategy]} and {name} "
+                                                                         "running in lockstep…"), trace_file=NO_TRACE)
+        with studio.quiet.job():
+            yield from coalesce(_laps(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k),
+                                      note, against))
     except Exception as exc:        # noqa: BLE001 - a visitor sees a sentence, the log keeps the traceback
         log.exception("decode failed")
         yield dict(failed(session, exc), race=vstats.race_html(None, running="race stopped: the model failed"))
 
 
-def _second_lap(studio: Studio, session: Session, prompt: str, cfg, against: str = "ar"):
-    """The race's second lap on the same prompt: autoregressive ("ar") or the static draft ("static");
-    then both speeds and the lossless check."""
-    run = session.run
+def _laps(studio: Studio, session: Session, prompt: str, strategy: str, domain, cfg, k: int, note: str,
+          against: str):
+    """Both laps in lockstep: the chosen strategy's events drive the Generate view, the other lap's
+    progress shows in the race panel; then the verdict."""
+    bb = studio.backbone
+    run = Run(prompt, strategy, cfg)
+    session.run, session.stop = run, False
+    mine = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
+    other = Autoregressive() if against == "ar" else make_strategy(studio, "static", cfg.gamma, 5, None, cfg.draft)
     name = "autoregressive" if against == "ar" else "static draft"
-    if session.stop:
-        yield dict(session=session, race=vstats.race_html(None, running="race stopped"))
-        return
-    yield dict(session=session, race=vstats.race_html(None, running=f"2/2 · {name} running…"))
-    strategy = Autoregressive() if against == "ar" else make_strategy(studio, "static", cfg.gamma, 5, None, cfg.draft)
-    ids2, time2, start2, steps2 = [], 0.0, None, []
-    for ev, dt in timed(decode(studio.backbone, clean_prompt(prompt).strip(), strategy, cfg,
-                               should_stop=lambda: session.stop)):
-        time2 += dt
-        if isinstance(ev, Start):
-            start2 = ev
-            ids2.append(ev.first_token)
-        else:
-            steps2.append(ev)
-            ids2.extend(ev.committed)
-        if len(ids2) % 16 == 0:
-            yield dict(session=session, race=vstats.race_html(
-                None, running=f"2/2 · {name}: {len(ids2)} of ≤ {cfg.max_new_tokens} tokens"))
-    if session.stop:
+    laps = {}
+
+    def my_events():
+        for side, ev, lap in lockstep(bb, prompt, mine, other, cfg, should_stop=lambda: session.stop):
+            laps[side] = lap
+            if side == "a":
+                yield ev, (lap.start_s if isinstance(ev, Start) else lap.step_s[-1])
+
+    for update in show_events(studio, session, run, my_events(), note):
+        b = laps.get("b")
+        done = b.committed if b is not None else 0
+        yield dict(session=session, **update, race=vstats.race_html(
+            None, running=f"lockstep · {LABELS[strategy]}: {run.stats.new_tokens if run.stats else 0} · {name}: "
+                          f"{done} of ≤ {cfg.max_new_tokens} tokens"))
+    a, b = laps.get("a"), laps.get("b")
+    if session.stop or a is None or b is None:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"),
                    trace_file=trace_download(studio, session))
         return
-    ids = run.token_ids
-    same = tuple(ids2) == ids
+    yield _verdict(studio, session, run, a, b, cfg, against)
+
+
+def _verdict(studio: Studio, session: Session, run: Run, a, b, cfg, against: str) -> dict:
+    """Both laps done: speeds (decode phase), the run's own costs, the lossless check."""
+    ids, ids2 = a.token_ids, b.token_ids
+    same = ids2 == ids
     where = None if same else first_difference(ids2, ids)
     gap = None
     if where is not None and cfg.greedy and where < min(len(ids2), len(ids)):   # how close was that choice?
-        prompt_ids = encode_for(studio.backbone, clean_prompt(prompt).strip(), cfg).ids
-        gap = logit_gap(studio.backbone, prompt_ids, ids2[:where]).gap
+        prompt_ids = encode_for(studio.backbone, run.prompt, cfg).ids
+        gap = logit_gap(studio.backbone, prompt_ids, list(ids2[:where])).gap
     other = {}
     if against == "static":
-        st2 = summarize(start2, steps2, time2)
         cal = studio.calibration
-        other = dict(against="static draft", tau=run.stats.tau, against_tau=st2.tau,
+        other = dict(against="static draft", tau=run.stats.tau, against_tau=summarize(b.start, b.steps, 1.0).tau,
                      sets=(run.skip.words() if run.skip else "no draft", cal.static.words()),
                      same_draft=run.skip is not None and run.skip.same_draft(cal.static))
+    else:
+        other = dict(costs=measured_costs(a, b))
+    thirds = segment_ratios(a, b)
     session.race = vstats.RaceResult(
-        strategy=LABELS[run.strategy], ar_tokens_per_s=len(ids2) / time2 if time2 else 0.0,
-        tokens_per_s=run.stats.tokens_per_s, ar_tokens=len(ids2), tokens=len(ids),
-        identical=same if cfg.greedy else None, first_difference=where, tie_gap=gap, **other)
+        strategy=LABELS[run.strategy], ar_tokens_per_s=b.tokens_per_s, tokens_per_s=a.tokens_per_s,
+        ar_tokens=len(ids2), tokens=len(ids), identical=same if cfg.greedy else None, first_difference=where,
+        tie_gap=gap, spread=(min(thirds), max(thirds)) if len(thirds) > 1 else None, **other)
     cost, what_if_fig = cost_view(studio, run, session.race)
-    yield dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
-               cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))
+    return dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
+                cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))

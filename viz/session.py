@@ -13,14 +13,13 @@ from pathlib import Path
 from ssd_core.engine.decode import DecodeConfig, Start
 from ssd_core.engine.device import device_label
 from ssd_core.engine.generate import summarize
-from ssd_core.engine.skipset import SkipSet
 from ssd_core.engine.trace import Trace, record
 from viz import cost as vcost
 from viz import domain_map as vmap
 from viz import layers as vlayers
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.studio import LABELS, MAP_H, PLOT_H, Studio
+from viz.studio import LABELS, MAP_H, PLOT_H, Studio, public_message
 
 
 # --- per-session state ---------------------------------------------------------------------------
@@ -173,9 +172,10 @@ def layer_fig(studio: Studio, run: Run | None):
 
 def map_fig(studio: Studio, run: Run | None, whole: bool = False):
     """The domain map; after a run zoomed to the prompt's neighbourhood unless `whole`."""
-    if studio.domain_map is None:
+    if studio.domain_map is None:          # the title is public: a map error's words pass public_message
         return vmap.domain_map([], height=MAP_H, title="Domain map · " + (
-            "needs a calibration" if studio.calibration is None else (studio.map_error or "unavailable")))
+            "needs a calibration" if studio.calibration is None else (public_message(studio.map_error)
+                                                                      or "unavailable")))
     if run is None or run.start is None or run.foreign:
         return vmap.domain_map(studio.anchors, studio.domain_map.coords, height=MAP_H)
     xy = studio.domain_map.transform(studio.calibration.router.query(run.start.embedding))
@@ -212,18 +212,18 @@ def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
         alpha, source = acc.get(skip.name, acc["static"]), "calibration"
     ctx = (run.start.prompt_len + stats.new_tokens // 2) if run is not None and run.start else 256
     b = lat.breakdown(skip, alpha, gamma, ctx, kind)
-    measured_speedup = None
+    measured_speedup, measured = None, {}
     race = race if race is not None and race.against == "autoregressive" else None   # vs static: no AR time
     if race is not None and run is not None and race.strategy == LABELS.get(run.strategy):
-        measured_speedup = race.speedup
-    full_s = (1.0 / race.ar_tokens_per_s) if race is not None and race.ar_tokens_per_s else lat.step_time(
-        SkipSet.empty(), ctx)
-    measured = vcost.measured_costs(run.steps, full_s) if run is not None else {}
+        measured_speedup, measured = race.speedup, race.costs or {}
+    steps = run.steps if run is not None else []
+    run_pred = lat.predicted_run_speedup(steps, kind) if any(s.speculative for s in steps) else None
     label = LABELS.get(run.strategy, "static set") if run is not None else "static set (no run yet)"
     html = vcost.cost_html(b, strategy=label, skip_name=skip.name or "chosen", alpha=alpha,
                            tau=stats.tau if stats is not None and stats.drafted else None,
                            measured_speedup=measured_speedup, measured=measured, alpha_source=source,
-                           profiled_on=lat.device_words, runs_on=device_label(studio.backbone.device))
+                           profiled_on=lat.device_words, runs_on=device_label(studio.backbone.device),
+                           run_prediction=run_pred, run_steps=steps, provisional=lat.provisional)
     c_big = 1.0 - studio.backbone.skip_weight_ratio(skip)
     star, label = acceptance_star(stats, gamma, alpha)
     here = "this CPU" if lat.device.startswith("cpu") else "this GPU" if lat.device.startswith("cuda") else lat.device

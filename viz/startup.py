@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 
 from ssd_core import calibration as cal_io
 from ssd_core.calibration.domains import load_prompts, split
-from ssd_core.calibration.latency import profile
+from ssd_core.calibration import profiles
 from ssd_core.engine import loading as core_loading
 from ssd_core.engine.decode import DecodeConfig
 from viz.handlers import generate
@@ -27,30 +28,56 @@ log = logging.getLogger("knn-ssd-studio")
 
 
 def load_map(cal) -> tuple[object | None, str]:
+    """(the calibration's UMAP domain map, "") or (None, the public words for why not). The words go into
+    every visitor's map title, so they carry no detail (an exception's text can name a server path): the
+    detail goes to the server log."""
     try:
         dm = cal.load_domain_map()
         dm.warm()
         return dm, ""
     except Exception as exc:        # umap unusable or file changed: the app works without the map
-        return None, f"domain map unavailable: {exc}"
+        log.warning("domain map unavailable for %s: %s: %s", getattr(cal, "folder", "?"), type(exc).__name__, exc)
+        return None, MAP_UNAVAILABLE
 
 
-def refresh_latency(studio, cal, others=()) -> str | None:
-    """Re-measure `cal`'s latency model on this machine when it was profiled elsewhere (another CPU,
-    device, thread count or verifier kernel: LatencyModel.stale_for), and install it for every later
-    request; ~9 s for SmolLM2-135M on 2 cores. Returns why it was re-measured (None: it was not).
-    others: calibrations served beside it; they draft from the same backbone and draft head, so one
-    fresh profile serves every one of them that is stale too."""
-    why = cal.latency.stale_for(studio.backbone)
-    stale = [(c, w) for c in others if (w := c.latency.stale_for(studio.backbone))]
-    if why is None and not stale:
-        return None
+MAP_UNAVAILABLE = "domain map unavailable (see the server log)"
+
+
+SOURCE_WORDS = {"cache": "measured on this machine at an earlier start",
+                "committed": "a committed profile of this CPU",
+                "measured": "measured on this machine after this app's start, on an idle engine"}
+
+
+def _install_latency(cal, lat, source: str) -> None:
+    cal.latency = dataclasses.replace(lat, machine={**lat.machine, "source": SOURCE_WORDS.get(source, source)})
+
+
+def known_latency(studio: Studio, cals) -> list:
+    """At load, before any visitor: give each calibration (with its folder) this machine's latency model
+    where one is known without measuring — its own, the cache's, a committed one (ssd_core.calibration.
+    profiles.known) — and mark the others provisional. Returns the calibrations still to measure."""
+    todo = []
+    for cal, folder in cals:
+        lat, source = profiles.known(studio.backbone, cal, folder)
+        if lat is None:
+            cal.latency = profiles.provisional(cal.latency, source)
+            todo.append(cal)
+        elif source != "calibration":
+            _install_latency(cal, lat, source)
+    return todo
+
+
+def measure_latency(studio: Studio, todo) -> None:
+    """Measure this machine's latency model on an idle engine (each timing in a Quiet slice between
+    visitors' jobs; ~10 s of idle time for SmolLM2-135M on 2 cores), cache it, and install it in every
+    calibration in `todo` (they draft from the one backbone and draft head)."""
+    if not todo:
+        return
     t = time.perf_counter()
-    fresh = profile(studio.backbone, progress=False)
-    for c, w in ([(cal, why)] if why else []) + stale:
-        c.latency = dataclasses.replace(fresh, machine={**fresh.machine, "at_start": True, "was": w})
+    fresh = profiles.measure(studio.backbone, turn=studio.quiet.slice)
+    for cal in todo:
+        _install_latency(cal, fresh, "measured")
     studio.timings["latency_s"] = round(time.perf_counter() - t, 1)
-    return why or stale[0][1]
 
 
 def describe_choice(name: str, cal, served: bool) -> tuple[str, str]:
@@ -146,11 +173,18 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     if cal is not None:
         load_choices(studio)
     others = [c for c in studio.choices.values() if c.calibration is not cal]
+    to_measure = known_latency(studio, [(cal, folder)] + [(c.calibration, c.folder) for c in others]) if cal else []
 
     def prepare_map():
-        why = refresh_latency(studio, cal, [c.calibration for c in others])
-        if why and map_in_background:
-            print(f"latency model re-measured on this machine in {studio.timings['latency_s']} s ({why})", flush=True)
+        # first this machine's latency model, measured between visitors' jobs while nothing else runs
+        if to_measure:
+            why = to_measure[0].latency.machine["provisional"]
+            measure_latency(studio, to_measure)
+            if map_in_background:
+                print(f"latency model measured on this machine in {studio.timings['latency_s']} s on an idle "
+                      f"engine and cached ({why})", flush=True)
+        # then the heavy start-up work (UMAP's numba compile, draft builds) yields the CPU to visitors
+        lower_priority()
         t = time.perf_counter()
         dm, err = load_map(cal)
         if studio.calibration is cal:      # not replaced by a calibration run meanwhile
@@ -174,11 +208,32 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
     return studio
 
 
+def lower_priority() -> None:
+    """The calling thread (and threads it starts) at the lowest CPU priority (Linux: a thread is a task
+    with a nice value of its own), so background start-up work slows visitors' decoding as little as
+    the kernel allows; a no-op where that is not possible."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 def warm_up(studio: Studio) -> None:
     """One short decode and one of each figure, so a visitor's first click pays no first-call costs."""
     prompt = next(iter(studio.examples.values()))[0]
     for _ in generate(studio, None, prompt, "KNN-SSD", None, 6, 3, 0.0, 0.0, 1.0, 5):
         pass
+    # every verification length a visitor's γ allows: a kernel's first call at a new pass shape sets it
+    # up (oneDNN builds a primitive per shape), and the lap that met it first would pay for it in a race
+    bb = studio.backbone
+    cache = bb.new_cache(64 + VERIFY_ROWS)
+    cache.length = 64
+    for rows in range(2, VERIFY_ROWS + 1):
+        bb.forward([1] * rows, cache, logits="all")
+        cache.crop(64)
+
+
+VERIFY_ROWS = 13          # γ ≤ 12 (the Generate tab's slider) drafts + the verifier's own token
 
 
 def run_calibration(studio: Studio, progress) -> dict:

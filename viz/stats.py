@@ -30,6 +30,10 @@ class RaceResult:
     costs: dict | None = None         # Race vs AR: this run's own c and v (engine.race.measured_costs)
     spread: tuple[float, float] | None = None   # the ratio over each third of the laps: (lowest, highest)
 
+    def __post_init__(self):
+        if self.spread is not None:           # a trace's JSON gives it back as a list
+            object.__setattr__(self, "spread", tuple(self.spread))
+
     @property
     def speedup(self) -> float:
         return self.tokens_per_s / self.ar_tokens_per_s if self.ar_tokens_per_s > 0 else 0.0

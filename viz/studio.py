@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ssd_core.calibration.profiles import Quiet
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.policies import registry
 from ssd_core.policies.ar import Autoregressive
@@ -103,6 +104,8 @@ class Studio:
     uploads: OrderedDict = field(default_factory=OrderedDict)   # upload path → parsed Trace (viz.trace_handlers)
     # the calibrations a visitor may pick, the served one first (name → Choice; empty: no chooser)
     choices: dict = field(default_factory=dict)
+    # visitors' model jobs vs background measurements: never at the same time (profiles.Quiet)
+    quiet: Quiet = field(default_factory=Quiet)
 
     def for_visitor(self, name: str | None) -> "Studio":
         """This studio as a visitor who picked calibration `name` sees it: the same model, caps and
