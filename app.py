@@ -35,6 +35,7 @@ import gradio as gr
 
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.engine.device import add_device_argument
+from ssd_core.engine.loading import ModelNotFoundError
 from viz import api_handlers as api
 from viz import benchmark as vbench
 from viz import handlers as h
@@ -315,8 +316,11 @@ def main(argv=None):
         raise SystemExit(str(exc)) from None
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
-    studio = startup.load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True,
-                                 device=args.device, limits=limits, warm=False)
+    try:
+        studio = startup.load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True,
+                                     device=args.device, limits=limits, warm=False)
+    except ModelNotFoundError as exc:       # one sentence that says what to do, no traceback
+        raise SystemExit(str(exc)) from None
     t_ui = time.perf_counter()
     # the UI builds while the warm-up decode runs (its torch work releases the GIL): ~1.4 s less start-up
     warming = threading.Thread(target=startup.warm_up, args=(studio,), name="warm-up", daemon=True)

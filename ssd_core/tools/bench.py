@@ -37,7 +37,7 @@ from ..engine.decode import DecodeConfig
 from ..engine.device import add_device_argument, device_label
 from ..engine.draft import DRAFT_KINDS
 from ..engine.generate import generate
-from ..engine.loading import load_backbone
+from ..engine.loading import ModelNotFoundError, load_backbone
 from ..engine.trace import record as record_trace
 from ..policies.oracle import ORACLE_CATEGORY_DOMAIN
 from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, build as build_strategy, parse_strategies
@@ -71,12 +71,9 @@ def _record(gen, name: str, question: Question, prompt_ids, calibration, gamma: 
     """Everything the summary and the answer file need from one Generation."""
     st = gen.stats
     spec_steps = [s for s in gen.steps if s.skip is not None]
-    skip = None
-    if spec_steps:
-        skip = Counter(s.skip for s in spec_steps).most_common(1)[0][0]
+    skip = Counter(s.skip for s in spec_steps).most_common(1)[0][0] if spec_steps else None
     ctx = (sum(s.context_len for s in gen.steps) / len(gen.steps)) if gen.steps else len(prompt_ids)
-    pred_measured = pred_calib = 1.0
-    calib_acc = None
+    pred_measured, pred_calib, calib_acc = 1.0, 1.0, None
     if skip is not None:
         lat = calibration.latency
         pred_measured = predicted_from_steps(lat, gen.steps, kind)
@@ -161,8 +158,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
 
     records: dict[str, list[dict]] = {n: [] for n in names}
     hf_records, hf_strategy_records = [], {n: [] for n in names}
-    failures = []
-    hf_agree = 0
+    failures, hf_agree = [], 0
     total = len(order) * len(names) + (len(range(0, len(order), hf_every)) if hf_every else 0)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     for i, q in enumerate(order):
@@ -213,10 +209,7 @@ def run_bench(backbone: Backbone, calibration, questions: list[Question], strate
                          failures, gamma, hf_agree)
     machine_info["load_average_at_end"] = ([round(x, 2) for x in os.getloadavg()]
                                            if hasattr(os, "getloadavg") else None)
-    summary["machine"] = machine_info
-    summary["memory"] = memory
-    summary["started"] = started
-    summary["total_s"] = round(time.perf_counter() - t_run, 1)
+    summary.update(machine=machine_info, memory=memory, started=started, total_s=round(time.perf_counter() - t_run, 1))
     summary["settings"] = {"strategies": names, "max_new_tokens": max_new_tokens, "gamma": gamma,
                            "max_prompt_tokens": max_prompt_tokens, "mix_ratio": mix_ratio, "seed": seed,
                            "hf_generate_every": hf_every, "warmup": warmup, "stop_at_eos": True,
@@ -274,15 +267,14 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
              if oracle_domains[r["category"]] != "static"]
     ar_tps = aggregate(ar)["tokens_per_s"]
     truncated = [r["question_id"] for r in ar if r.get("truncated")]
-    summary = {
+    return {
         "model": backbone.name,
         "model_info": backbone.describe(), "device": device_label(backbone.device),
         "calibration": str(calibration.folder) if calibration.folder else None,
         "calibration_created": calibration.meta.get("created"),
         "lossless": not failures,
         "lossless_vs_ar": not any(f["reference"] == "ar" for f in failures),
-        "lossless_vs_hf": (not any(f["reference"] == "hf_generate" for f in failures)
-                           if hf_records else None),
+        "lossless_vs_hf": not any(f["reference"] == "hf_generate" for f in failures) if hf_records else None,
         "lossless_failures": failures,
         "strategies": strategies,
         "categories": cats,
@@ -304,7 +296,6 @@ def _summarise(backbone, calibration, names, order, records, hf_records, hf_stra
         "order_switch_rate": round_or_none(switch_rate(order)),
         "definitions": DEFINITIONS,
     }
-    return summary
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -366,11 +357,21 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     names = parse_strategies(args.strategies)
-    questions = select(load_questions(args.questions),
-                       args.categories.split(",") if args.categories else None, args.limit)
-    bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)
+    try:
+        questions = select(load_questions(args.questions),
+                           args.categories.split(",") if args.categories else None, args.limit)
+    except (OSError, ValueError) as exc:     # what is wrong in one sentence, like a missing calibration below
+        raise SystemExit(f"Cannot read the questions ({exc}): pass --questions a Spec-Bench question file.") from None
     folder = Path(args.calibration) if args.calibration else cal_io.default_folder(args.model)
-    cal = cal_io.load(folder, bb)
+    if not (folder / "calibration.json").is_file():          # before the model loads: say it at once
+        raise SystemExit(f"No calibration at {folder}: pass --calibration a folder python -m ssd_core.calibrate wrote, "
+                         f"or build one: python -m ssd_core.calibrate{f' --model {args.model}' if args.model else ''} "
+                         f"--out {folder}")
+    try:
+        bb = backbone or load_backbone(args.model, threads=args.threads, device=args.device)
+        cal = cal_io.load(folder, bb)
+    except (ModelNotFoundError, cal_io.CalibrationError) as exc:
+        raise SystemExit(str(exc)) from None
     settings = {"questions": args.questions, "limit": args.limit, "categories": args.categories,
                 "model": args.model, "calibration": str(folder), "threads": args.threads,
                 "out": args.out, "latency_profiled_on": cal.latency.device_words}
