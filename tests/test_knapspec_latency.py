@@ -104,7 +104,7 @@ def test_profile_recovers_a_known_cost_model(tiny, monkeypatch):
     assert (m.attn_a, m.attn_b, m.mlp) == (pytest.approx(A), pytest.approx(B), pytest.approx(M))
     assert m.overhead + m.head == pytest.approx(BARE)          # the head is timed for real, the rest is not
     assert all(abs(r["error_pct"]) < 0.1 for r in fit_report(m))
-    ref = 64                                                   # verify costs are timed at the second context
+    ref = 16                                                   # verify costs are timed at the shortest context
     assert m.verify[5] == pytest.approx(timed(tiny, None, 5, ref, EMPTY, 1) / timed(tiny, None, 1, ref, EMPTY, 1),
                                         abs=1e-4)
 

@@ -36,6 +36,9 @@ from .latency import LatencyModel, profile
 log = logging.getLogger(__name__)
 
 PROFILE_DIR = "profiles"          # committed profiles beside a calibration, one per CPU measured
+# the way latency.profile measures; a change makes cached profiles stale (2: verify at the shortest
+# context, no running-maximum correction)
+PROFILE_METHOD = 2
 
 
 def profile_key(bb) -> str:
@@ -44,7 +47,8 @@ def profile_key(bb) -> str:
     head = bb.drafts.head_ids
     shape = (bb.n_layers, bb.hidden, bb.layers[0].wdown.shape[1], bb.vocab, str(bb.dtype),
              len(head) if head else None)
-    text = json.dumps([cpu_info(), torch.__version__, device_label(bb.device), bb.kernel, shape], sort_keys=True)
+    text = json.dumps([PROFILE_METHOD, cpu_info(), torch.__version__, device_label(bb.device), bb.kernel, shape],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
