@@ -69,6 +69,14 @@ def test_app_main_turns_a_missing_model_into_one_sentence(spec, words):
     assert words in message and "\n" not in message and "--model" in message
 
 
+def test_calibrate_with_a_model_that_is_not_there_says_so(tmp_path):
+    from ssd_core.calibration import build
+    with pytest.raises(SystemExit) as exit_:
+        build.main(["--model", "/nonexistent/model.gguf", "--out", str(tmp_path / "cal")])
+    message = str(exit_.value.code)
+    assert "No GGUF file at /nonexistent/model.gguf" in message and "\n" not in message
+
+
 def test_a_folder_that_is_not_a_model_says_what_it_lacks(tmp_path):
     with pytest.raises(loading.ModelNotFoundError, match="no config.json"):
         loading.load_backbone(str(tmp_path))

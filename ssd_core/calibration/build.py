@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..engine.backbone import EMBEDDING, Backbone
 from ..engine.device import add_device_argument
 from ..engine.draft import DRAFT_KINDS
-from ..engine.loading import load_backbone
+from ..engine.loading import ModelNotFoundError, load_backbone
 from ..policies.knapspec import fit_kappa
 from . import artifact as cal_io
 from .candidates import ratio_count
@@ -340,6 +340,13 @@ def settings_from_args(args: argparse.Namespace) -> CalibrationSettings:
 
 
 def main(argv=None):
+    try:
+        _main(argv)
+    except ModelNotFoundError as exc:           # one sentence, no traceback (like python app.py)
+        raise SystemExit(str(exc)) from None
+
+
+def _main(argv=None):
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else cal_io.default_folder(args.model)

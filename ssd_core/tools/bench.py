@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..calibration import artifact as cal_io
+from ..calibration import profiles
 from ..calibration.latency import expected_tokens
 from ..engine.backbone import Backbone
 from ..engine.decode import DecodeConfig
@@ -48,24 +49,6 @@ from .metrics import (DEFINITIONS, aggregate, combine_predictions, draft_memory,
 
 
 # --- one run of one strategy on one prompt ------------------------------------------------------------
-def predicted_from_steps(latency, steps, kind: str = "fp32") -> float | None:
-    """The latency model's speedup for exactly these steps: Σ tokens ÷ Σ step costs in full steps.
-
-    A step costs (model drafts)·c(skip, context, kind) + v(drafted + 1); a lookup draft costs no
-    forward, an autoregressive step is v(1) = 1. Compared with the measured speedup it checks the
-    cost model alone (the acceptance is the one that happened).
-    """
-    if not steps:
-        return None
-    cost = tokens = 0.0
-    for s in steps:
-        if s.source == "model":      # a kind the profile lacks is priced as fp32 (LatencyModel._costs)
-            cost += len(s.drafted) * latency.draft_cost(s.skip, s.context_len, kind)
-        cost += latency.verify_cost(len(s.drafted) + 1)
-        tokens += len(s.committed)
-    return tokens / cost if cost else None
-
-
 def _record(gen, name: str, question: Question, prompt_ids, calibration, gamma: int,
             kind: str = "fp32") -> dict:
     """Everything the summary and the answer file need from one Generation."""
@@ -76,7 +59,7 @@ def _record(gen, name: str, question: Question, prompt_ids, calibration, gamma: 
     pred_measured, pred_calib, calib_acc = 1.0, 1.0, None
     if skip is not None:
         lat = calibration.latency
-        pred_measured = predicted_from_steps(lat, gen.steps, kind)
+        pred_measured = lat.predicted_run_speedup(gen.steps, kind)    # the cost model alone: acceptance as it happened
         calib_acc = calibration.acceptance(kind).get(skip.name)
         if calib_acc is None:          # knapspec: its own exp(−κ·loss) estimate for that set
             for f in (s.forecast for s in gen.steps if s.forecast is not None):
@@ -372,9 +355,11 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
         cal = cal_io.load(folder, bb)
     except (ModelNotFoundError, cal_io.CalibrationError) as exc:
         raise SystemExit(str(exc)) from None
+    # KnapSpec, adaptive γ and auto plan with this machine's costs: cached, committed, or measured now
+    cal.latency, source = profiles.for_machine(bb, cal, folder, progress=not args.no_progress)
     settings = {"questions": args.questions, "limit": args.limit, "categories": args.categories,
                 "model": args.model, "calibration": str(folder), "threads": args.threads,
-                "out": args.out, "latency_profiled_on": cal.latency.device_words}
+                "out": args.out, "latency_profiled_on": cal.latency.device_words, "latency_source": source}
     run = run_bench(bb, cal, questions, names, max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                     max_prompt_tokens=args.max_prompt_tokens, mix_ratio=args.mix_ratio, seed=args.seed,
                     hf_generate_every=args.hf_generate_every, warmup=not args.no_warmup,
