@@ -66,7 +66,7 @@ def race_vs_ar(c, prompt: str) -> tuple[float, float]:
 
 def one_start(home: Path, label: str) -> dict:
     port = free_port()
-    env = {"HOME": str(home), "KNN_SSD_CACHE": str(home / "cache"), "OMP_WAIT_POLICY": ""}
+    env = {"HOME": str(home), "KNN_SSD_CACHE": str(home / "cache")}
     server = Server(port, home / "gradio", env)
     try:
         server.wait_for("Running on", timeout=600)
