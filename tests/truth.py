@@ -119,7 +119,8 @@ def main(argv=None) -> int:
             report["checks"][f"{s['start']}: {name}"] = passed
             ok &= passed
     first, second = starts[0]["measurements"], starts[1]["measurements"]
-    report["checks"]["restart measures nothing cached"] = bool(first) and first == second
+    remeasured = any("latency model" in line and "measured" in line for line in starts[1]["log"])
+    report["checks"]["restart measures nothing cached"] = bool(first) and first == second and not remeasured
     ok &= report["checks"]["restart measures nothing cached"]
     text = json.dumps(report, indent=1)
     print(text)

@@ -32,6 +32,23 @@ GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot
                "what_if", "trace_file")
 
 
+UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while a model runs (tokens coalesced)
+
+
+def coalesce(updates, every_s: float = UPDATE_EVERY_S):
+    """Named-output dicts merged so that at most one goes out every `every_s` (the first at once, the last
+    always): each page update costs the server work beside the decode, on the same two cores."""
+    pending, last = {}, float("-inf")
+    for update in updates:
+        pending.update(update)
+        now = time.monotonic()
+        if now - last >= every_s:
+            yield pending
+            pending, last = {}, now
+    if pending:
+        yield pending
+
+
 def timed(events):
     """Yield (event, seconds spent producing it): model time, without the UI's time between steps."""
     while True:
@@ -66,8 +83,9 @@ def run_stream(studio: Studio, session: Session, prompt: str, strategy: str, dom
     session.run, session.stop = run, False
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     with studio.quiet.job():          # background measurements wait for it (profiles.Quiet)
-        yield from show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
-                                                                 should_stop=lambda: session.stop)), cal_note)
+        yield from coalesce(show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
+                                                                          should_stop=lambda: session.stop)),
+                                        cal_note))
 
 
 def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):

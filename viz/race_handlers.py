@@ -6,7 +6,6 @@ check (where greedy texts part: how close that choice was)."""
 from __future__ import annotations
 
 import logging
-import time
 
 from ssd_core.engine.decode import Start, encode_for
 from ssd_core.engine.generate import summarize
@@ -15,14 +14,11 @@ from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
 from viz import stats as vstats
-from viz.handlers import failed, refused, request_settings, show_events
+from viz.handlers import coalesce, failed, refused, request_settings, show_events
 from viz.session import NO_TRACE, Run, Session, cost_view, stats_view, trace_download, visitor
 from viz.studio import DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, clean_prompt, make_strategy
 
 log = logging.getLogger("knn-ssd-studio")
-
-UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while the laps run (tokens coalesced)
-
 
 def race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold,
          temperature, top_p, k, draft=DEFAULT_DRAFT_LABEL, seed=None):
@@ -38,20 +34,6 @@ def race_static(studio: Studio, session, prompt, strategy_label, domain, max_new
     lockstep on the same prompt and settings: what routing itself gains (τ, tokens/s, both sets)."""
     yield from _race(studio, session, prompt, strategy_label, domain, max_new, gamma, threshold, temperature,
                      top_p, k, draft, seed, against="static")
-
-
-def coalesce(updates, every_s: float = UPDATE_EVERY_S):
-    """Named-output dicts merged so that at most one goes out every `every_s` (the first at once, the last
-    always): each page update costs the server work beside the decode, on the same two cores."""
-    pending, last = {}, float("-inf")
-    for update in updates:
-        pending.update(update)
-        now = time.monotonic()
-        if now - last >= every_s:
-            yield pending
-            pending, last = {}, now
-    if pending:
-        yield pending
 
 
 def _race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamma, threshold, temperature, top_p,
