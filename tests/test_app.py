@@ -190,7 +190,8 @@ def test_a_one_token_run_still_draws_both_figures(studio):
     assert "done" in column(outs, "tokens")[-1]
 
 
-def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(studio, tiny):
+def test_generate_streams_tokens_and_sends_each_figure_only_when_it_changes(studio, tiny, monkeypatch):
+    monkeypatch.setattr(handlers, "UPDATE_EVERY_S", 0.0)      # every step's update (the app: ≤ 5 a second)
     outs = run(handlers.generate, studio, "KNN-SSD")
     tokens = column(outs, "tokens")
     assert 'class="tok ver"' in tokens[0]            # the prefill's token is the first thing shown

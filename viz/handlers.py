@@ -35,9 +35,11 @@ GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot
 UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while a model runs (tokens coalesced)
 
 
-def coalesce(updates, every_s: float = UPDATE_EVERY_S):
-    """Named-output dicts merged so that at most one goes out every `every_s` (the first at once, the last
-    always): each page update costs the server work beside the decode, on the same two cores."""
+def coalesce(updates, every_s: float | None = None):
+    """Named-output dicts merged so that at most one goes out every `every_s` (default UPDATE_EVERY_S; the
+    first at once, the last always): each page update costs the server work beside the decode, on the
+    same two cores."""
+    every_s = UPDATE_EVERY_S if every_s is None else every_s
     pending, last = {}, float("-inf")
     for update in updates:
         pending.update(update)
