@@ -569,12 +569,3 @@ def test_the_cost_panels_headline_is_the_latency_model_applied_to_what_the_run_d
     html, _ = session_views.cost_view(studio, r, None)
     assert "provisional" in html and 'cost-head pending' in html
 
-
-def test_page_updates_are_coalesced_to_a_few_a_second_first_at_once_last_always(monkeypatch):
-    clock = iter([0.0, 0.05, 0.1, 0.25, 0.3, 0.31, 0.5])
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: next(clock))
-    ups = [{"tokens": i, **({"layer_plot": "fig"} if i == 1 else {})} for i in range(7)]
-    out = list(handlers.coalesce(iter(ups), every_s=0.2))
-    assert out[0] == {"tokens": 0}                                   # the first token goes out alone, at once
-    assert out[1] == {"tokens": 3, "layer_plot": "fig"}              # merged: a figure is never dropped
-    assert out[-1]["tokens"] == 6 and len(out) == 3                  # the last always, ≤ 1 per 0.2 s

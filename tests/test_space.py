@@ -384,6 +384,6 @@ def test_the_domain_map_places_prompts_from_many_lanes_at_once():
 
 def test_a_replay_sends_a_few_updates_a_second_and_always_the_last(monkeypatch):
     updates = [{"tokens": i} for i in range(7)] + [{"stats": "done"}]
-    monkeypatch.setattr(th.time, "monotonic", iter([0.0, 0.1, 0.2, 0.3, 0.35, 0.6, 0.61, 0.62]).__next__)
-    out = list(th.coalesced(updates, every_s=0.25))
+    monkeypatch.setattr(handlers.time, "monotonic", iter([0.0, 0.1, 0.2, 0.3, 0.35, 0.6, 0.61, 0.62]).__next__)
+    out = list(handlers.coalesce(updates, every_s=th.UPDATE_EVERY_S))
     assert out == [{"tokens": 0}, {"tokens": 3}, {"tokens": 5}, {"tokens": 6, "stats": "done"}]

@@ -14,7 +14,7 @@ import time
 from ssd_core.engine.trace import Trace, TraceError
 from viz import stats as vstats
 from viz import tokens as vtok
-from viz.handlers import GEN_OUTPUTS, show_events
+from viz.handlers import GEN_OUTPUTS, coalesce, show_events
 from viz.session import Run, Walk, cost_view, visitor, stats_view, trace_download
 from viz.studio import LABELS, Studio
 from viz.walk_handlers import start_walk, walk_view
@@ -58,21 +58,6 @@ def _paced(events, waits, should_stop):
         if wait > 0:
             time.sleep(wait)
         yield ev_dt
-
-
-def coalesced(updates, every_s: float = UPDATE_EVERY_S):
-    """The updates merged so that at most one goes out per `every_s` (a later value of an output replaces
-    an earlier one), the last always: a replay of short steps costs the server and the page a few
-    renders a second, not one per step."""
-    pending, sent = {}, float("-inf")
-    for update in updates:
-        pending.update(update)
-        now = time.monotonic()
-        if now - sent >= every_s:
-            yield pending
-            pending, sent = {}, now
-    if pending:
-        yield pending
 
 
 def _problem(message: str, session) -> dict:
@@ -139,8 +124,8 @@ def replay(studio: Studio, session, file, speed_label: str = DEFAULT_SPEED, disc
             + (f"Played faster than asked: a replay lasts at most {lim.replay_s} s here. "
                if sum(waits) + 1e-9 < sum(asked) else ""))
     yield dict(session=session, walk=walk_view(studio, None), prompt=trace.prompt)
-    for update in coalesced(show_events(studio, session, run, _paced(events, waits, lambda: session.stop), note,
-                                        verb="replaying")):
+    for update in coalesce(show_events(studio, session, run, _paced(events, waits, lambda: session.stop), note,
+                                       verb="replaying"), every_s=UPDATE_EVERY_S):
         yield dict(session=session, **update)
     session.race = _race(trace.meta.get("race"))
     cost, what_if_fig = cost_view(studio, run, session.race) if not run.foreign else (None, None)
