@@ -569,3 +569,14 @@ def test_the_cost_panels_headline_is_the_latency_model_applied_to_what_the_run_d
     html, _ = session_views.cost_view(studio, r, None)
     assert "provisional" in html and 'cost-head pending' in html
 
+
+
+def test_a_page_load_shows_the_cost_panel_as_it_is_now_not_as_the_layout_was_built(studio, monkeypatch):
+    """The layout is built while this machine's latency model may still be provisional; a later page load
+    must not keep saying so once it is measured."""
+    from ssd_core.calibration import profiles
+    lat = studio.calibration.latency
+    monkeypatch.setattr(studio.calibration, "latency", profiles.provisional(lat, "measuring"))
+    assert "provisional" in page_handlers.page_load(studio, studio.calibration, None)["cost"]
+    monkeypatch.setattr(studio.calibration, "latency", lat)
+    assert "provisional" not in page_handlers.page_load(studio, studio.calibration, None)["cost"]

@@ -23,9 +23,11 @@ def page_load(studio: Studio, built_with, session) -> dict:
     cal = studio.calibration
     now = cal_info(studio, session) if studio.choices else {}
     if cal is built_with:
-        # the UMAP may have finished loading in the background since the layout was built
+        # the UMAP may have finished loading in the background since the layout was built, and this machine's
+        # latency model may have been measured (the layout's cost panel said "provisional")
+        cost, what_if_fig = cost_view(studio, None, None) if cal is not None else (None, None)
         return dict(session=session, **now, **({"domain_plot": map_fig(studio, None)} if studio.domain_map is not None
-                                               else {}))
+                                               else {}), **({"cost": cost, "what_if": what_if_fig} if cal else {}))
     text, sets, match = domains_views(studio)
     cost, what_if_fig = cost_view(studio, None, None)
     out = dict(session=session, cal_row=Update(visible=cal is None),
