@@ -197,7 +197,7 @@ def cost_tab(studio: Studio) -> dict:
     with gr.Row():
         ui["wi_gamma"] = gr.Slider(1, 12, value=4, step=1, label="what if: draft length γ")
         ui["wi_verify"] = gr.Slider(1.0, 2.5, step=0.01, label="what if: verify cost v (full steps)",
-                                    value=round(cal.latency.verify_cost(5), 2) if cal else 1.3)
+                                    value=ph.what_if_verify(cal))
     return dict(ui, what_if=gr.Plot(what_if, show_label=False, elem_id="what-if"))
 
 

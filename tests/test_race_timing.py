@@ -172,3 +172,21 @@ def test_profile_takes_every_timing_inside_a_turn(tiny):
     finally:
         del tiny.forward
     assert turns and not outside
+
+
+def test_a_profile_that_a_fresh_step_contradicts_is_measured_again(tiny, tmp_path, monkeypatch):
+    """Another process's burst during the profile: the check after it disagrees, so it is taken again."""
+    monkeypatch.setenv("KNN_SSD_CACHE", str(tmp_path / "cache"))
+    agreements = iter([1.4, 0.97])
+    monkeypatch.setattr(profiles, "check", lambda *a, **kw: next(agreements))
+    calls = []
+    real = profiles.profile
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **{**kw, "contexts": (16, 32), "verify_ks": (1, 2), "repeats": 1})
+    monkeypatch.setattr(profiles, "profile", counted)
+    lat = profiles.measure(tiny)
+    assert len(calls) == 2 and lat.machine["attempts"] == 2 and lat.machine["check"] == 0.97
+    from ssd_core.calibration.latency import check
+    assert 0.2 < check(tiny, lat, context=16, repeats=3) < 5          # a real step against its own profile

@@ -9,7 +9,7 @@ from viz.tokens import escape
 
 # what a page load may update: a calibration installed after the layout was built, the chooser's line
 PAGE_OUTPUTS = ("session", "cal_row", "banner", "strategy", "k", "domain_plot", "layer_plot", "cost",
-                "what_if", "domains_md", "sets_plot", "match_plot", "cal_info")
+                "what_if", "domains_md", "sets_plot", "match_plot", "cal_info", "wi_verify")
 # what picking a calibration updates
 CHOOSE_OUTPUTS = ("session", "route", "domain_plot", "layer_plot", "cost", "what_if", "domains_md", "sets_plot",
                   "match_plot", "k", "cal_info")
@@ -25,9 +25,12 @@ def page_load(studio: Studio, built_with, session) -> dict:
     if cal is built_with:
         # the UMAP may have finished loading in the background since the layout was built, and this machine's
         # latency model may have been measured (the layout's cost panel said "provisional")
-        cost, what_if_fig = cost_view(studio, None, None) if cal is not None else (None, None)
-        return dict(session=session, **now, **({"domain_plot": map_fig(studio, None)} if studio.domain_map is not None
-                                               else {}), **({"cost": cost, "what_if": what_if_fig} if cal else {}))
+        out = dict(session=session, **now, **({"domain_plot": map_fig(studio, None)} if studio.domain_map is not None
+                                              else {}))
+        if cal is not None:
+            cost, what_if_fig = cost_view(studio, None, None)
+            out.update(cost=cost, what_if=what_if_fig, wi_verify=Update(value=what_if_verify(cal)))
+        return out
     text, sets, match = domains_views(studio)
     cost, what_if_fig = cost_view(studio, None, None)
     out = dict(session=session, cal_row=Update(visible=cal is None),
@@ -36,8 +39,13 @@ def page_load(studio: Studio, built_with, session) -> dict:
                what_if=what_if_fig, domains_md=text, sets_plot=Update(value=sets, visible=cal is not None),
                match_plot=Update(value=match, visible=cal is not None), **now)
     if cal:
-        out["k"] = Update(value=cal.router.k)
+        out.update(k=Update(value=cal.router.k), wi_verify=Update(value=what_if_verify(cal)))
     return out
+
+
+def what_if_verify(cal) -> float:
+    """The what-if chart's verify-cost slider starts at the latency model's v for γ = 4 (its range: 1–2.5)."""
+    return min(2.5, max(1.0, round(cal.latency.verify_cost(5), 2))) if cal is not None else 1.3
 
 
 def choose_calibration(studio: Studio, session, name) -> dict:

@@ -31,7 +31,7 @@ import torch
 
 from ..engine.device import device_label
 from ..engine.machine import cache_dir, cpu_info
-from .latency import LatencyModel, profile
+from .latency import LatencyModel, check, profile
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +104,21 @@ def known(bb, cal, folder=None) -> tuple[LatencyModel | None, str]:
     return None, why
 
 
-def measure(bb, turn=None, progress: bool = False) -> LatencyModel:
-    """Profile this machine now (each timing inside `turn()`, when given) and cache the result."""
+def measure(bb, turn=None, progress: bool = False, tries: int = 3, tolerance: float = 0.10) -> LatencyModel:
+    """Profile this machine now (each timing inside `turn()`, when given) and cache the result. A fresh
+    full step timed after the profile must agree with it within `tolerance`, else the machine changed
+    state meanwhile (another process) and it is profiled again, up to `tries` times."""
     t = time.perf_counter()
-    lat = profile(bb, progress=progress, turn=turn)
+    for attempt in range(1, tries + 1):
+        lat = profile(bb, progress=progress, turn=turn)
+        agreement = check(bb, lat, turn=turn)
+        if abs(agreement - 1.0) <= tolerance:
+            break
+        log.warning("latency profile %d disagrees with a fresh step by %+.0f%%: measuring again", attempt,
+                    100 * (agreement - 1))
     lat = dataclasses.replace(lat, machine={**lat.machine, "measured_at": datetime.now(timezone.utc).isoformat(
-        timespec="seconds"), "profile_s": round(time.perf_counter() - t, 1)})
+        timespec="seconds"), "profile_s": round(time.perf_counter() - t, 1), "attempts": attempt,
+        "check": round(agreement, 3)})
     try:
         save(bb, lat)
     except OSError as exc:                 # a read-only home: measured again next start
