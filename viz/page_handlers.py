@@ -9,7 +9,7 @@ from viz.tokens import escape
 
 # what a page load may update: a calibration installed after the layout was built, the chooser's line
 PAGE_OUTPUTS = ("session", "cal_row", "banner", "strategy", "k", "domain_plot", "layer_plot", "cost",
-                "what_if", "domains_md", "sets_plot", "match_plot", "cal_info", "wi_verify")
+                "what_if", "domains_md", "sets_plot", "match_plot", "wi_verify", "cal_info")
 # what picking a calibration updates
 CHOOSE_OUTPUTS = ("session", "route", "domain_plot", "layer_plot", "cost", "what_if", "domains_md", "sets_plot",
                   "match_plot", "k", "cal_info")
