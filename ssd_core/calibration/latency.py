@@ -342,13 +342,15 @@ def profile(bb: Backbone, contexts=(64, 512, 1024, 2048), verify_ks=(1, 2, 3, 4,
                         drafts=kinds, device=device_label(bb.device), **full)
 
 
-def check(bb: Backbone, lat: LatencyModel, context: int = 64, repeats: int = 9, turn=None) -> float:
-    """A fresh timing of one full step at `context` ÷ what `lat` predicts for it: near 1 when the machine
-    stayed in one state while it was profiled, far from it when another process's burst overlapped part
-    of the profile."""
+def check(bb: Backbone, lat: LatencyModel, repeats: int = 9, turn=None) -> float:
+    """A fresh timing of one full step at the profile's first context ÷ the profile's own timing of it
+    (the same measurement, not the fitted line, which is off at the ends): near 1 when the machine stayed
+    in one state while it was profiled, far from it when another process's burst overlapped part of it."""
+    point = lat.measured[0]
+    context = point["context"]
     cache = bb.new_cache(context + 2)
     cache.k.fill_(0.0), cache.v.fill_(0.0)
-    return _time_forward(bb, cache, 1, context, EMPTY, repeats, turn=turn or _unturned) / lat.step_time(EMPTY, context)
+    return _time_forward(bb, cache, 1, context, EMPTY, repeats, turn=turn or _unturned) / (point["full_ms"] / 1000)
 
 
 def fit_report(model: LatencyModel) -> list[dict]:

@@ -104,10 +104,12 @@ def known(bb, cal, folder=None) -> tuple[LatencyModel | None, str]:
     return None, why
 
 
-def measure(bb, turn=None, progress: bool = False, tries: int = 3, tolerance: float = 0.10) -> LatencyModel:
+def measure(bb, turn=None, progress: bool = False, tries: int = 3, tolerance: float = 0.20) -> LatencyModel:
     """Profile this machine now (each timing inside `turn()`, when given) and cache the result. A fresh
-    full step timed after the profile must agree with it within `tolerance`, else the machine changed
-    state meanwhile (another process) and it is profiled again, up to `tries` times."""
+    full step timed after the profile must agree with the profile's own timing of it within `tolerance`,
+    else the machine changed state meanwhile (another process) and it is profiled again, up to `tries`
+    times. (Back-to-back profiles on this 2-core VM differ by up to ±17%; a burst of another process read
+    +30%.)"""
     t = time.perf_counter()
     for attempt in range(1, tries + 1):
         lat = profile(bb, progress=progress, turn=turn)
