@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from .cpuinfo import VECTOR_FLAGS, read_cpuinfo
+
 log = logging.getLogger(__name__)
 
-# instruction sets that change which kernel wins (recorded with every choice and every latency profile)
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-                "amx_bf16", "asimd", "sve")
+KERNEL_FLAGS = VECTOR_FLAGS          # recorded with every choice and every latency profile
 KERNELS = ("plain", "onednn", "split")   # Backbone.set_kernel
 CHOICE_FILE = "kernels.json"
 
@@ -38,20 +38,7 @@ def cache_dir() -> Path:
 
 def cpu_info() -> dict:
     """{"model": the CPU's name, "flags": the KERNEL_FLAGS it has, "threads": torch's intra-op threads}."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Processor") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-                if model and flags:
-                    break
-    except OSError:
-        pass
+    model, flags = read_cpuinfo()
     return {"model": model or platform.processor() or platform.machine(),
             "flags": [f for f in KERNEL_FLAGS if f in flags], "threads": torch.get_num_threads()}
 

@@ -35,11 +35,9 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ssd_core.engine.cpuinfo import VECTOR_FLAGS, read_cpuinfo   # torch-free
+
 ROOT = Path(__file__).resolve().parents[2]
-# instruction sets worth recording beside the CPU's name (the same list as ssd_core.engine.machine, which
-# imports torch and is therefore not imported here)
-VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-                "amx_bf16", "asimd", "sve")
 DROPPED_ENV = ("SPACE_ID", "OMP_WAIT_POLICY", "KNN_SSD_CACHE", "XDG_CACHE_HOME", "XDG_CONFIG_HOME",
                "XDG_DATA_HOME", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "NUMBA_CACHE_DIR",
                "GRADIO_TEMP_DIR", "GRADIO_SERVER_PORT", "GRADIO_SERVER_NAME")
@@ -53,18 +51,7 @@ FIGURES = ("http_s", "running_on_s", "reported_s", "imports_s", "model_s", "cali
 
 def cpu() -> dict:
     """The CPU's name and vector flags (/proc/cpuinfo, else lscpu, else platform) and its logical cores."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Processor") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    model, flags = read_cpuinfo()
     if not model and shutil.which("lscpu"):
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         found = re.search(r"^Model name:\s*(.+)$", out, re.M)
