@@ -153,10 +153,6 @@ class Quiet:
         self._measuring = False
         self._last_job = 0.0
 
-    @property
-    def busy(self) -> bool:
-        return self._jobs > 0
-
     @contextmanager
     def job(self):
         """Around a visitor's model work (a generator may hold it across yields)."""

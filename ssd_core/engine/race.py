@@ -94,12 +94,6 @@ def lockstep(backbone, prompt, a, b, config: DecodeConfig = DecodeConfig(), shou
         yield side, ev, lap
 
 
-def speed_ratio(a: Lap, b: Lap) -> float | None:
-    """Decode-phase tokens/s of `a` ÷ `b` (None when either lap has nothing timed)."""
-    ta, tb = a.tokens_per_s, b.tokens_per_s
-    return ta / tb if ta > 0 and tb > 0 else None
-
-
 def segment_ratios(a: Lap, b: Lap, parts: int = 3) -> list[float]:
     """The same ratio over each third of the laps: a spread that says how steady the measurement was."""
     out = []
