@@ -95,6 +95,8 @@ class Step:
     source: str = ""                  # who drafted: "model", "lookup" (prompt lookup) or "" (none)
     forecast: Forecast | None = None  # the strategy's prediction when it (re)chose its set this step
     verify_probs: tuple[float, ...] = ()  # the verifier's probability of its token at each position
+    rows: int = 1                     # sequences that shared this step's passes (1: alone)
+    rule: str = ""                    # what the goodput rule chose for the shared step, and why (engine.goodput)
 
     @property
     def speculative(self) -> bool:
@@ -104,6 +106,14 @@ class Step:
     def rejected(self) -> tuple[int, ...]:
         """Draft tokens the verifier threw away."""
         return self.drafted[self.accepted:]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Emitted (when asked for) while a request waits for room in the serving engine's KV memory."""
+
+    position: int                      # requests ahead of it, plus one
+    reason: str = ""
 
 
 @dataclass
@@ -146,137 +156,29 @@ def encode_for(backbone: Backbone, prompt: str, config: DecodeConfig) -> PromptI
 
 
 def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | None = None,
-           config: DecodeConfig = DecodeConfig(), should_stop=None) -> Iterator[Start | Step]:
+           config: DecodeConfig = DecodeConfig(), should_stop=None, lookahead: int | None = None,
+           report_wait: bool = False) -> Iterator[Start | Step]:
     """Prefill, then speculative (or autoregressive) steps until EOS or max_new_tokens.
 
     should_stop: optional callable polled once per step (cancellation).
+    With a serving engine attached to the backbone (engine.serve.Engine.attach) the request joins its
+    running batch: the engine steps it beside every other visitor's. lookahead: most events the engine
+    may step ahead of this consumer (0: only when asked for the next one, as a race's lockstep laps
+    need; None: free). report_wait: also yield `Waiting` events while it waits for KV memory.
+    Alone (no engine, or on the engine's own thread) it runs here, through the same step code.
     """
     strategy = strategy or Strategy()
     if isinstance(prompt, str):
         prompt = encode_for(backbone, prompt, config)
-    gen = torch.Generator(device=backbone.device).manual_seed(config.seed if config.seed is not None else
-                                        int(time.time_ns() % (2 ** 31)))
-    budget = config.max_new_tokens
-    cache = backbone.new_cache(min(backbone.max_positions, len(prompt) + budget + config.gamma + 2))
-    t0 = time.perf_counter()
-    pre = backbone.prefill(prompt, cache)
-    first = int(pre.logits.argmax()) if config.greedy else _sample(_probs(pre.logits, config), gen)
-    prefill_s = time.perf_counter() - t0
-    plan = strategy.start(backbone, prompt, pre.embedding)
-    # a set that keeps part of each MLP drafts with weights of its own: built (once) before the clock
-    draft = backbone.drafts.get(config.draft, config.small_head, plan.skip)
-    draft_key = plan.skip.channel_key if plan.skip is not None else None
-    yield Start(len(prompt), first, pre.embedding, prefill_s, strategy.name, prompt.truncated,
-                draft=draft.label if draft is not None else "fp32 draft", skip=plan.skip,
-                domain=plan.domain, route=plan.route, forecast=plan.forecast)
-    tokens = list(prompt.ids) + [first]
-    lookup = PromptLookup(tokens) if config.lookup else None
-    generated = 1
-    finished = config.stop_at_eos and first in backbone.eos_ids
-    index = 0
-    while not finished and generated < budget:
-        if should_stop is not None and should_stop():
-            return
-        t_start = time.perf_counter()
-        state = DecodeState(backbone, cache, tokens, generated, index, config)
-        decision = strategy.choose(state)
-        room = budget - generated          # tokens we may still commit
-        gamma = 0                          # autoregressive step
-        if decision.skip is not None:
-            gamma = (config.gamma if strategy.length is None else
-                     strategy.length.gamma(decision.skip, cache.length, config.gamma))
-            gamma = max(0, min(gamma, room - 1))
-        # a lookup draft costs nothing to make: propose as many as the config allows
-        proposal = lookup.propose(min(config.gamma, room - 1)) if lookup is not None and gamma else ()
-        if decision.skip is not None and decision.skip.channel_key != draft_key:
-            draft = backbone.drafts.get(config.draft, config.small_head, decision.skip)
-            draft_key = decision.skip.channel_key
-        step = _step(backbone, cache, tokens[-1], decision, config, gen, gamma, proposal,
-                     draft, index, t_start)
-        committed = step.committed
-        if config.stop_at_eos:
-            for j, t in enumerate(committed):
-                if t in backbone.eos_ids:
-                    committed = committed[:j + 1]
-                    finished = True
-                    break
-        tokens.extend(committed)
-        if lookup is not None:
-            lookup.extend(committed)
-        generated += len(committed)
-        finished = finished or generated >= budget
-        if committed != step.committed or finished:
-            step = replace(step, committed=committed, finished=finished)
-        if strategy.length is not None:
-            strategy.length.update(step)
-        strategy.update(step)
-        index += 1
-        yield step
-
-
-def _step(bb: Backbone, cache, pending: int, decision: Decision, cfg: DecodeConfig,
-          gen: torch.Generator, gamma: int, proposal: tuple[int, ...], draft, index: int,
-          t_start: float) -> Step:
-    """Draft (lookup proposal, or up to gamma model drafts), verify with the full model, accept."""
-    n = cache.length
-    greedy = cfg.greedy
-    skip = decision.skip
-    drafted: list[int] = []
-    draft_probs: list[float] = []
-    q_rows = []
-    t_draft = time.perf_counter()
-    if proposal:
-        # a deterministic draft: q is one-hot, so speculative sampling accepts with probability p(d)
-        drafted = list(proposal)
-        draft_probs = [1.0] * len(drafted)
-        if not greedy:
-            q_rows = [F.one_hot(torch.tensor(d, device=bb.device), bb.vocab).float() for d in drafted]
-    x = pending
-    for _ in range(0 if proposal else gamma):
-        logits = bb.forward([x], cache, skip, draft=draft)
-        if greedy:
-            p_top, d = torch.softmax(logits, -1).max(-1)
-            p_top, d = float(p_top), int(d)
-            if p_top < cfg.threshold:
-                break
-            draft_probs.append(p_top)
-        else:
-            q = _probs(logits, cfg)
-            if float(q.max()) < cfg.threshold:
-                break
-            d = _sample(q, gen)
-            q_rows.append(q)
-            draft_probs.append(float(q[d]))
-        drafted.append(d)
-        x = d
-    t_verify = time.perf_counter()
-    cache.crop(n)
-    logits = bb.forward([pending] + drafted, cache, EMPTY, logits="all")
-    bb.sync()                         # CUDA: the verify pass has run before the clock is read
-    t_accept = time.perf_counter()
-    if greedy:
-        top = logits.argmax(-1)       # on the logits, as transformers does: ties resolve the same way
-        p_top = (logits.gather(-1, top[:, None])[:, 0].float() - torch.logsumexp(logits.float(), -1)).exp()
-        verified, verify_probs = tuple(top.tolist()), tuple(p_top.tolist())
-        accepted = 0
-        while accepted < len(drafted) and drafted[accepted] == verified[accepted]:
-            accepted += 1
-        committed = tuple(drafted[:accepted]) + (verified[accepted],)
-    else:
-        p_rows = _probs(logits, cfg)
-        accepted, bonus = _speculative_sample(logits, drafted, q_rows, cfg, gen, p_rows=p_rows)
-        committed = tuple(drafted[:accepted]) + (bonus,)
-        verified = committed
-        verify_probs = tuple(float(p_rows[i, t]) for i, t in enumerate(committed))
-    cache.crop(n + accepted + 1)
-    t_end = time.perf_counter()
-    draft_s, verify_s = t_verify - t_draft, t_accept - t_verify
-    source = ("lookup" if proposal else "model") if drafted else ""
-    return Step(index=index, context_len=n, drafted=tuple(drafted), draft_probs=tuple(draft_probs),
-                verified=verified, accepted=accepted, committed=committed, skip=skip,
-                draft_s=draft_s, verify_s=verify_s,
-                overhead_s=max(0.0, (t_end - t_start) - draft_s - verify_s), note=decision.note,
-                source=source, forecast=decision.forecast, verify_probs=verify_probs)
+    from .rows import Row, advance             # rows builds on this module's types
+    row = Row(backbone, prompt, strategy, config, should_stop)
+    engine = getattr(backbone, "engine", None)
+    if engine is not None and engine.serving():
+        yield from engine.submit(row, lookahead=lookahead, report_wait=report_wait)
+        return
+    while not row.finished:
+        for _, event in advance(backbone, [row]):
+            yield event
 
 
 def _speculative_sample(logits, drafted, q_rows, cfg, gen, p_rows=None) -> tuple[int, int]:

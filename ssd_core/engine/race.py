@@ -65,8 +65,9 @@ def lockstep(backbone, prompt, a, b, config: DecodeConfig = DecodeConfig(), shou
     Both prefill first (a, then b), then whichever lap has committed fewer tokens takes the next step
     (on a tie, the one that did not step last), until both are done or `should_stop()`."""
     laps = {"a": Lap(), "b": Lap()}
-    runs = {"a": decode(backbone, prompt, a, config, should_stop=should_stop),
-            "b": decode(backbone, prompt, b, config, should_stop=should_stop)}
+    # through a serving engine, each lap steps only when asked (lookahead 0): the laps still alternate
+    runs = {"a": decode(backbone, prompt, a, config, should_stop=should_stop, lookahead=0),
+            "b": decode(backbone, prompt, b, config, should_stop=should_stop, lookahead=0)}
     last = "b"
     order = ["a", "b"]                      # prefill: a, then b
     while True:

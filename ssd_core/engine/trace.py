@@ -216,6 +216,10 @@ class _Reader:
             raise self._bad(key, "an integer", v)
         return v
 
+    def opt_int(self, key, default: int):
+        """An integer field that older traces lack (`default` then)."""
+        return default if key not in self.d else self.int(key)
+
     def float(self, key):
         v = self._get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -347,7 +351,8 @@ def _step(d, where) -> Step:
                 committed=r.ints("committed"), skip=r.obj("skip", _skip, optional=True),
                 draft_s=r.float("draft_s"), verify_s=r.float("verify_s"), overhead_s=r.float("overhead_s"),
                 note=r.str("note"), finished=r.bool("finished"), source=r.str("source"),
-                forecast=r.obj("forecast", _forecast, optional=True), verify_probs=r.floats("verify_probs"))
+                forecast=r.obj("forecast", _forecast, optional=True), verify_probs=r.floats("verify_probs"),
+                rows=r.opt_int("rows", 1), rule=r.str("rule", optional=True) or "")
     r.done()
     return step
 

@@ -1,0 +1,123 @@
+"""One forward over many sequences at once: every row's tokens packed into one matrix.
+
+The matmuls (which read the weights: most of a CPU step) run once over all rows' tokens together;
+attention runs per row on that row's own KV cache, at its own positions, with its own causal mask.
+Rows may carry different numbers of tokens (a 1-token plain step beside a 5-token verification and a
+128-token prefill chunk: vLLM's "chunked prefill" shape) and different skip sets: a sublayer runs for
+the rows whose set keeps it (their tokens gathered, the result added back), so rows routed to
+different domains draft in one pass. One row is exactly `Backbone.forward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .backbone import EMPTY, Backbone, _rope
+from .kv_cache import KVCache
+from .skipset import SkipSet
+
+
+@dataclass
+class RowPass:
+    """One row of a packed pass: its tokens, its cache (written at cache.length..), its skip set and
+    what it wants back: "last" → (vocab,), "all" → (T, vocab), "none" → final-norm hidden (T, D)."""
+
+    ids: list
+    cache: KVCache
+    skip: SkipSet = EMPTY
+    logits: str = "last"
+
+
+@torch.inference_mode()
+def forward_rows(bb: Backbone, rows: list[RowPass], draft=None) -> list[torch.Tensor]:
+    """Run every row's tokens in one packed forward; one output per row (as RowPass.logits asks)."""
+    if len(rows) == 1:
+        r = rows[0]
+        return [bb.forward(r.ids, r.cache, r.skip, logits=r.logits, draft=draft)]
+    sizes = [len(r.ids) for r in rows]
+    starts = [r.cache.length for r in rows]
+    for r, n in zip(rows, sizes):
+        if r.cache.length + n > r.cache.max_len:
+            raise ValueError(f"KV cache full: {r.cache.length + n} > {r.cache.max_len} positions")
+    total = sum(sizes)
+    ids = torch.tensor([int(t) for r in rows for t in r.ids], dtype=torch.long, device=bb.device)
+    pos = torch.cat([torch.arange(p, p + n, device=bb.device) for p, n in zip(starts, sizes)])
+    layers, lin = bb._targets[total > 1][:2] if draft is None else (draft.layers, draft.linear)
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    masks = [bb._causal_mask(p, p + n) for p, n in zip(starts, sizes)]
+    cos, sin = bb.cos[pos], bb.sin_rot[pos]
+    subsets: dict[tuple[int, ...], torch.Tensor | None] = {}
+
+    def keeping(kind: str, i: int) -> tuple[int, ...]:
+        return tuple(j for j, r in enumerate(rows) if i not in (r.skip.attn if kind == "attn" else r.skip.mlp))
+
+    def index(members: tuple[int, ...]):
+        """Token indices of these rows in the packed matrix (None: every row)."""
+        if members not in subsets:
+            subsets[members] = None if len(members) == len(rows) else torch.cat(
+                [torch.arange(offsets[j], offsets[j + 1], device=bb.device) for j in members])
+        return subsets[members]
+
+    x = bb.embed[ids]
+    for i, L in enumerate(layers):
+        members = keeping("attn", i)
+        if members:
+            at = index(members)
+            xs = x if at is None else x[at]
+            c, s = (cos, sin) if at is None else (cos[at], sin[at])
+            delta = _attention_rows(bb, xs, L, lin, [rows[j] for j in members], [sizes[j] for j in members],
+                                    [starts[j] for j in members], [masks[j] for j in members], i, c, s)
+            x = x + delta if at is None else x.index_add(0, at, delta)
+        members = keeping("mlp", i)
+        if members:
+            at = index(members)
+            delta = bb._mlp(x if at is None else x[at], L, lin)
+            x = x + delta if at is None else x.index_add(0, at, delta)
+    for r, n in zip(rows, sizes):
+        r.cache.length += n
+    h = F.rms_norm(x, (bb.hidden,), bb.norm, bb.eps)
+    want = []                          # the packed positions whose logits some row asked for
+    for j, r in enumerate(rows):
+        if r.logits == "all":
+            want.extend(range(offsets[j], offsets[j + 1]))
+        elif r.logits == "last":
+            want.append(offsets[j + 1] - 1)
+    out_logits = None
+    if want:
+        sel = h[torch.tensor(want, device=bb.device)]
+        out_logits = bb.head_logits(sel) if draft is None else draft.head(sel)
+    outs, k = [], 0
+    for j, r in enumerate(rows):
+        if r.logits == "none":
+            outs.append(h[offsets[j]:offsets[j + 1]])
+        elif r.logits == "last":
+            outs.append(out_logits[k])
+            k += 1
+        else:
+            outs.append(out_logits[k:k + sizes[j]])
+            k += sizes[j]
+    return outs
+
+
+def _attention_rows(bb: Backbone, x, L, lin, rows, sizes, starts, masks, i, cos, sin):
+    """One attention sublayer over packed rows: projections packed, attention per row on its own cache."""
+    T = x.shape[0]
+    H, Hk, hd, g = bb.n_heads, bb.n_kv, bb.head_dim, bb.group
+    qkv = lin(F.rms_norm(x, (bb.hidden,), L.ln1, bb.eps), L.wqkv, L.bqkv)
+    qk = _rope(qkv[:, :bb.q_size + bb.kv_size].view(T, H + Hk, hd).transpose(0, 1), cos, sin)
+    v_all = qkv[:, bb.q_size + bb.kv_size:].view(T, Hk, hd).transpose(0, 1)
+    outs, a = [], 0
+    for r, n, p0, mask in zip(rows, sizes, starts, masks):
+        b, end = a + n, p0 + n
+        q, k, v = qk[:H, a:b], qk[H:, a:b], v_all[:, a:b]
+        cache = r.cache
+        cache.k[i, :, p0:end], cache.v[i, :, p0:end] = k, v
+        o = F.scaled_dot_product_attention(q.reshape(1, Hk, g * n, hd), cache.k[i, :, :end][None],
+                                           cache.v[i, :, :end][None], attn_mask=mask)
+        outs.append(o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd))
+        a = b
+    return lin(torch.cat(outs) if len(outs) > 1 else outs[0], L.wo)
