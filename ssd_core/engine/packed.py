@@ -51,6 +51,7 @@ def forward_rows(bb: Backbone, rows: list[RowPass], draft=None) -> list[torch.Te
     masks = [bb._causal_mask(p, p + n) for p, n in zip(starts, sizes)]
     cos, sin = bb.cos[pos], bb.sin_rot[pos]
     subsets: dict[tuple[int, ...], torch.Tensor | None] = {}
+    pads: dict[tuple[int, ...], _Padded] = {}     # one padded buffer per set of rows attending together
 
     def keeping(kind: str, i: int) -> tuple[int, ...]:
         return tuple(j for j, r in enumerate(rows) if i not in (r.skip.attn if kind == "attn" else r.skip.mlp))
@@ -70,7 +71,8 @@ def forward_rows(bb: Backbone, rows: list[RowPass], draft=None) -> list[torch.Te
             xs = x if at is None else x[at]
             c, s = (cos, sin) if at is None else (cos[at], sin[at])
             delta = _attention_rows(bb, xs, L, lin, [rows[j] for j in members], [sizes[j] for j in members],
-                                    [starts[j] for j in members], [masks[j] for j in members], i, c, s)
+                                    [starts[j] for j in members], [masks[j] for j in members], i, c, s,
+                                    pads.setdefault(members, _Padded(bb)))
             x = x + delta if at is None else x.index_add(0, at, delta)
         members = keeping("mlp", i)
         if members:
@@ -103,21 +105,59 @@ def forward_rows(bb: Backbone, rows: list[RowPass], draft=None) -> list[torch.Te
     return outs
 
 
-def _attention_rows(bb: Backbone, x, L, lin, rows, sizes, starts, masks, i, cos, sin):
-    """One attention sublayer over packed rows: projections packed, attention per row on its own cache."""
+BATCHED_SINGLES = 4     # one-token rows in a pass from which their attention runs as one padded call
+
+
+def _attention_rows(bb: Backbone, x, L, lin, rows, sizes, starts, masks, i, cos, sin, pad):
+    """One attention sublayer over packed rows: projections packed, each row's keys and values written to
+    its own cache. Rows with several tokens attend one by one; one-token rows (decode steps), when there
+    are BATCHED_SINGLES or more, attend in one call over their caches copied into a zero-padded buffer
+    (`pad`, made once per pass), masked past each row's length: one call instead of one per row."""
     T = x.shape[0]
     H, Hk, hd, g = bb.n_heads, bb.n_kv, bb.head_dim, bb.group
     qkv = lin(F.rms_norm(x, (bb.hidden,), L.ln1, bb.eps), L.wqkv, L.bqkv)
     qk = _rope(qkv[:, :bb.q_size + bb.kv_size].view(T, H + Hk, hd).transpose(0, 1), cos, sin)
     v_all = qkv[:, bb.q_size + bb.kv_size:].view(T, Hk, hd).transpose(0, 1)
-    outs, a = [], 0
-    for r, n, p0, mask in zip(rows, sizes, starts, masks):
+    singles = [j for j, n in enumerate(sizes) if n == 1] if len(sizes) >= BATCHED_SINGLES else []
+    if len(singles) < BATCHED_SINGLES:
+        singles = []
+    outs, a, at = [None] * len(rows), 0, []
+    for j, (r, n, p0, mask) in enumerate(zip(rows, sizes, starts, masks)):
         b, end = a + n, p0 + n
-        q, k, v = qk[:H, a:b], qk[H:, a:b], v_all[:, a:b]
         cache = r.cache
-        cache.k[i, :, p0:end], cache.v[i, :, p0:end] = k, v
-        o = F.scaled_dot_product_attention(q.reshape(1, Hk, g * n, hd), cache.k[i, :, :end][None],
-                                           cache.v[i, :, :end][None], attn_mask=mask)
-        outs.append(o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd))
+        cache.k[i, :, p0:end], cache.v[i, :, p0:end] = qk[H:, a:b], v_all[:, a:b]
+        if n == 1 and singles:
+            at.append(a)
+        else:
+            o = F.scaled_dot_product_attention(qk[:H, a:b].reshape(1, Hk, g * n, hd), cache.k[i, :, :end][None],
+                                               cache.v[i, :, :end][None], attn_mask=mask)
+            outs[j] = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
         a = b
+    if singles:
+        keys, values, valid = pad(rows, singles, starts)
+        for b, j in enumerate(singles):
+            end = starts[j] + 1
+            keys[b, :, :end], values[b, :, :end] = rows[j].cache.k[i, :, :end], rows[j].cache.v[i, :, :end]
+        q = qk[:H, at].transpose(0, 1).reshape(len(singles), Hk, g, hd)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid).reshape(len(singles), H * hd)
+        for b, j in enumerate(singles):
+            outs[j] = o[b:b + 1]
     return lin(torch.cat(outs) if len(outs) > 1 else outs[0], L.wo)
+
+
+class _Padded:
+    """The zero-padded key/value buffer of a pass's one-token rows, made at the first layer that needs it."""
+
+    def __init__(self, bb: Backbone):
+        self.bb, self.made = bb, None
+
+    def __call__(self, rows, singles, starts):
+        if self.made is None:
+            bb = self.bb
+            n = max(starts[j] for j in singles) + 1
+            shape = (len(singles), bb.n_kv, n, bb.head_dim)
+            lengths = torch.tensor([starts[j] + 1 for j in singles], device=bb.device)
+            valid = (torch.arange(n, device=bb.device)[None, :] < lengths[:, None])[:, None, None, :]
+            self.made = (torch.zeros(shape, dtype=bb.dtype, device=bb.device),
+                         torch.zeros(shape, dtype=bb.dtype, device=bb.device), valid)
+        return self.made
