@@ -406,3 +406,51 @@ def test_results_md_states_the_routing_gain_and_how_gamma_was_chosen(tmp_path):
     assert "vs one static set" not in bench_figures.markdown_report(summary, {"knn": answers["knn"]})
     del summary["settings"]["adaptive_gamma"]                                             # older runs
     assert "γ: 4" in bench_figures.markdown_report(summary)
+
+
+# --- --batch N: concurrent streams through the serving engine, timed like llama-batched-bench ------------
+def _batch(tiny, tmp_path, capsys, *extra):
+    out = tmp_path / "batch.json"
+    rc = bench.main(["--batch", *extra, "--prompt-tokens", "24", "--gen-tokens", "6", "--no-progress",
+                     "--out", str(out)], backbone=tiny)
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    return rc, lines, json.loads(out.read_text())
+
+
+def test_batch_times_n_streams_released_together(tiny, tmp_path, capsys):
+    """Plain batched decoding (no calibration needed): every stream gets exactly --gen-tokens after its
+    Start, all Starts come from one shared prefill, sizes and repeats interleave, repeats match ar."""
+    from ssd_core.tools.batch_bench import fit_prompt
+    rc, lines, report = _batch(tiny, tmp_path, capsys, "1,3", "--strategies", "ar", "--repeats", "2")
+    assert rc == 0
+    assert [(r["repeat"], r["sequences"]) for r in lines] == [(0, 1), (0, 3), (1, 3), (1, 1)]
+    for r in lines:
+        for key in ("sequences", "prompt_tokens", "gen_tokens", "gen_tokens_per_s", "prefill_s", "total_s",
+                    "threads", "strategy", "gamma_choices", "cpu"):
+            assert key in r, key
+        # ar: one token a step; 6 decode steps after one engine step that prefilled every prompt
+        assert r["tokens_counted"] == r["sequences"] * 6 and r["decode_steps"] == 6
+        assert r["gen_tokens_per_s"] == pytest.approx(r["tokens_counted"] / r["gen_s"], rel=0.01)
+        assert r["total_s"] == pytest.approx(r["prefill_s"] + r["gen_s"], abs=1e-3)
+        assert r["drafted_lengths"] == {"0": r["tokens_counted"]} and r["mean_rows_per_step"] == r["sequences"]
+    assert [r["matches_ar"] for r in lines] == [None, None, True, True]
+    assert [r["sequences"] for r in report["runs"]] == [1, 3, 3, 1]
+    three = report["runs"][1]["streams"]
+    assert [s["domain"] for s in three] == ["summarization", "math", "translation"]
+    assert {"cpu", "kernel"} <= set(report["machine"]) and "--batch 1,3" in report["command"]
+    assert [(m["sequences"], m["repeats"]) for m in report["medians"]] == [(1, 2), (3, 2)]
+    for text in ("Hi", "x" * 100):                                   # repeated or cut inside the chat template
+        fitted, whole = fit_prompt(tiny, text, 24), tiny.encode(text)
+        assert len(fitted) == 24 and fitted.ids[-1] == whole.ids[-1] and fitted.ids[0] == whole.ids[0]
+
+
+def test_batch_knn_with_the_goodput_rule_matches_ar(tiny, tiny_calibration, tmp_path, capsys):
+    rc, lines, report = _batch(tiny, tmp_path, capsys, "3", "--strategies", "knn,ar", "--calibration",
+                               str(tiny_calibration.folder), "--no-warmup")
+    assert rc == 0
+    ar, knn = lines                                                   # ar first: the reference
+    assert (ar["strategy"], knn["strategy"]) == ("ar", "knn") and knn["matches_ar"] is True
+    assert knn["tokens_counted"] == ar["tokens_counted"] == 3 * 6
+    gamma = report["settings"]["gamma"]
+    assert knn["gamma_choices"] and all(0 <= int(g) <= gamma for g in knn["gamma_choices"])
+    assert sum(knn["gamma_choices"].values()) <= knn["decode_steps"]  # the rule is asked only when rows share

@@ -42,6 +42,7 @@ from ..engine.loading import ModelNotFoundError, load_backbone
 from ..engine.trace import record as record_trace
 from ..policies.oracle import ORACLE_CATEGORY_DOMAIN
 from ..policies.registry import BASELINE, SPECULATIVE, STRATEGIES, build as build_strategy, parse_strategies
+from . import batch_bench
 from .specbench import Question, answer_line, load_questions, mix_order, select, switch_rate
 from .reference import hf_generate
 from .metrics import (DEFINITIONS, aggregate, combine_predictions, draft_memory, first_difference, group_stats,
@@ -306,9 +307,9 @@ def plain_table(summary: dict) -> str:
 
 def main(argv=None, backbone: Backbone | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--questions", required=True, help="Spec-Bench question file (.jsonl)")
-    ap.add_argument("--strategies", default=",".join((BASELINE, *SPECULATIVE)),
-                    help=f"comma-separated, from {','.join(STRATEGIES)} ({BASELINE} is always run first)")
+    ap.add_argument("--questions", default=None, help="Spec-Bench question file (.jsonl); required without --batch")
+    ap.add_argument("--strategies", default=None, help=f"comma-separated, from {','.join(STRATEGIES)} ({BASELINE} is "
+                    f"always run first; default {','.join((BASELINE, *SPECULATIVE))}; with --batch: knn)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="truncate longer prompts (head + tail kept); the summary counts them")
@@ -334,12 +335,17 @@ def main(argv=None, backbone: Backbone | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--traces", default=None, metavar="DIR",
                     help="also write every run as a trace the app can replay: DIR/<strategy>/<question_id>.json")
-    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--out", default=None, help="output folder (required without --batch)")
+    batch_bench.add_arguments(ap)
     add_device_argument(ap)
     args = ap.parse_args(argv)
+    if args.batch is None and not (args.questions and args.out):
+        ap.error("the following arguments are required: --questions, --out (or --batch N)")
 
     torch.set_num_threads(args.threads)
-    names = parse_strategies(args.strategies)
+    if args.batch is not None:         # N concurrent streams through the serving engine (tools.batch_bench)
+        return batch_bench.main(args, sys.argv[1:] if argv is None else list(argv), backbone)
+    names = parse_strategies(args.strategies or ",".join((BASELINE, *SPECULATIVE)))
     try:
         questions = select(load_questions(args.questions),
                            args.categories.split(",") if args.categories else None, args.limit)
