@@ -115,15 +115,15 @@ def batch_prompts(bb, n: int, tokens: int) -> list[tuple[str, PromptIds]]:
 class _Gated(Engine):
     """The serving engine, admitting nobody until `open()`: then all N streams share the first (prefill) step."""
 
-    held = True
+    released = False
 
     def _admit(self) -> None:
-        if not self.held:
+        if self.released:
             super()._admit()
 
     def open(self) -> None:
         with self._cv:
-            self.held = False
+            self.released = True
             self._cv.notify_all()
 
 
