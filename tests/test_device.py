@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from ssd_core.calibration.latency import LatencyModel, profile
 from ssd_core.engine.backbone import Backbone
-from ssd_core.engine import decode as decode_module
+from ssd_core.engine import rows as decode_module      # the one decode loop: where PromptLookup is made
 from ssd_core.engine.decode import DecodeConfig
 from ssd_core.engine.device import device_label, resolve_device, same_device
 from ssd_core.engine.draft import DraftWeights

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from .backbone import EMPTY, Backbone
-from . import decode as D             # D._speculative_sample looked up per call (tests swap in wrong rules)
-from .decode import DecodeConfig, DecodeState, Start, Step, _probs, _sample
+from . import events as E             # E._speculative_sample looked up per call (tests swap in wrong rules)
+from .events import DecodeConfig, DecodeState, Start, Step, _probs, _sample
 from .lookup import PromptLookup
 from .packed import RowPass, forward_rows
 from .prompt import PromptIds
@@ -207,7 +207,7 @@ def _accept(r: Row, plan, draft, logits, rows: int, words: str, clock) -> Step:
         committed = tuple(drafted[:accepted]) + (verified[accepted],)
     else:
         p_rows = _probs(logits, cfg)
-        accepted, bonus = D._speculative_sample(logits, drafted, q_rows, cfg, r.gen, p_rows=p_rows)
+        accepted, bonus = E._speculative_sample(logits, drafted, q_rows, cfg, r.gen, p_rows=p_rows)
         committed = tuple(drafted[:accepted]) + (bonus,)
         verified = committed
         verify_probs = tuple(float(p_rows[i, t]) for i, t in enumerate(committed))
