@@ -37,6 +37,7 @@ class Request:
         self.asked = False            # its reader is waiting for an event
         self.closed = False           # its reader left
         self.admitted = False
+        self.held = False             # the engine looked and it did not fit: only now is it waiting
         self.error: BaseException | None = None
 
     def wants_step(self) -> bool:
@@ -95,7 +96,7 @@ class Engine:
             while True:
                 with self._cv:
                     while not req.events:
-                        if report_wait and not req.admitted:
+                        if report_wait and req.held and not req.admitted:
                             pos = self._position(req)
                             if pos and pos != shown:
                                 break
@@ -150,6 +151,11 @@ class Engine:
             fits = len(self._active) < self.max_rows and self._kv_used() + req.row.kv_bytes() <= self.kv_budget
             stuck = not any(r.wants_step() for r in self._active)
             if not (fits or stuck):
+                newly = [w for w in self._waiting if not w.held]
+                for w in newly:
+                    w.held = True
+                if newly:
+                    self._cv.notify_all()     # their readers may now report Waiting
                 return
             self._waiting.popleft()
             req.admitted = True
