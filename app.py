@@ -198,7 +198,9 @@ def cost_tab(studio: Studio) -> dict:
         ui["wi_gamma"] = gr.Slider(1, 12, value=4, step=1, label="what if: draft length γ")
         ui["wi_verify"] = gr.Slider(1.0, 2.5, step=0.01, label="what if: verify cost v (full steps)",
                                     value=ph.what_if_verify(cal))
-    return dict(ui, what_if=gr.Plot(what_if, show_label=False, elem_id="what-if"))
+    ui["what_if"] = gr.Plot(what_if, show_label=False, elem_id="what-if")
+    # the batch dimension: speculation in a batch shared with other visitors (viz.batch_view)
+    return dict(ui, batch_plot=gr.Plot(vs.batch_view(studio, None), show_label=False, elem_id="batch-curve"))
 
 
 def domains_tab(studio: Studio) -> dict:
@@ -225,15 +227,17 @@ def about_tab(studio: Studio) -> None:
 def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
     """Every event: trigger → handler in viz → the components named as the handler names its outputs.
 
-    Lanes: only what runs the model holds the model's lane (one at a time), and only while it runs; replay
-    and auto-play pace themselves in lanes of their own. A waiting visitor sees the queue position and
-    Gradio's estimate on the panel the request will fill."""
+    Lanes: only what runs the model holds the model's lane, and only while it runs: up to `max_rows` at once,
+    each a row of the serving engine's shared batch (viz.startup.start_engine); replay and auto-play pace
+    themselves in lanes of their own. A waiting visitor sees the queue position and Gradio's estimate on the
+    panel the request will fill (and, on Generate, the engine's own queue: viz.handlers.show_events)."""
     def of(*names):
         return [ui[n] for n in names]
     GEN, walk, session = h.GEN_OUTPUTS, ("session", "walk"), ui["session"]
     gen_in = of("session", "prompt", "strategy", "oracle_domain", "max_new", "gamma", "threshold", "temperature",
                 "top_p", "k", "draft", "seed")
-    lane = dict(concurrency_limit=1, concurrency_id="model", show_progress="full", show_progress_on=[ui["tokens"]])
+    rows = studio.limits.max_rows
+    lane = dict(concurrency_limit=rows, concurrency_id="model", show_progress="full", show_progress_on=[ui["tokens"]])
     quiet = dict(queue=False, show_progress="hidden", api_visibility="private")
     runs = [ui["gen_btn"].click(wired(h.generate, GEN, studio), gen_in, of(*GEN), api_name="generate", **lane),
             ui["prompt"].submit(wired(h.generate, GEN, studio), gen_in, of(*GEN), api_visibility="private", **lane),
@@ -256,7 +260,7 @@ def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
                                     api_name="replay")
     walk_start = ui["w_start"].click(wired(wh.walk_start, walk, studio),
                                      of("session", "prompt", "strategy", "oracle_domain", "gamma", "k"), of(*walk),
-                                     api_name="walk_start", concurrency_limit=1, concurrency_id="model",
+                                     api_name="walk_start", concurrency_limit=rows, concurrency_id="model",
                                      show_progress="full", show_progress_on=[ui["walk"]])
     for phase in ("draft", "verify", "accept"):
         ui[f"w_{phase}"].click(wired(wh.walk_phase, walk, studio, phase=phase), [session], of(*walk), **quiet)
@@ -271,7 +275,10 @@ def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
     for ctl in (ui["wi_gamma"], ui["wi_verify"]):
         ctl.release(wired(h.what_if, ["what_if"], studio), of("session", "wi_gamma", "wi_verify"), ui["what_if"],
                     show_progress="hidden", api_visibility="private")
-    if calibration_event_allowed(studio):   # never on a public server: any registered event can be posted
+    # never on a public server: any registered event can be posted. Gradio gives a shared lane its smallest
+    # limit, so with this event registered (private, no calibration yet) the model lane runs one at a time:
+    # calibrating times the model, and must not share it
+    if calibration_event_allowed(studio):
         ui["cal_btn"].click(partial(run_calibration, studio), None, of("banner", "cal_btn"), concurrency_limit=1,
                             concurrency_id="model", api_visibility="private")
     demo.load(wired(ph.page_load, ph.PAGE_OUTPUTS, studio, studio.calibration), [session], of(*ph.PAGE_OUTPUTS),
@@ -282,17 +289,20 @@ def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
                           draft: str = DEFAULT_DRAFT_LABEL, seed: float | None = None, calibration: str = "") -> dict:
         return api.generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
                                  draft, seed, calibration)
-    gr.api(generate_text_api, api_name="generate_text", concurrency_limit=1, concurrency_id="model")
+    gr.api(generate_text_api, api_name="generate_text", concurrency_limit=rows, concurrency_id="model")
     if len(studio.choices) > 1:     # a run may have built a draft: the chooser's memory line says so
         for run in [*runs, walk_start]:
             run.then(wired(ph.cal_info, ["cal_info"], studio), [session], ui["cal_info"], **quiet)
 
 
 def launch(demo: gr.Blocks, studio: Studio, **kwargs):
-    """Queue and serve `demo` under the studio's caps (queue size, upload size, per-visitor requests)."""
+    """Queue and serve `demo` under the studio's caps (queue size, upload size, per-visitor requests).
+    Threads: each model-lane event holds one while its row is in the batch (up to max_rows), beside the
+    replay and auto-play lanes (8 each) and the quick events; Gradio's default is 40."""
     lim = studio.limits
     demo.queue(default_concurrency_limit=4, max_size=lim.queue_size)
     gate_per_visitor(demo._queue, lim.in_flight)
+    kwargs.setdefault("max_threads", max(40, 2 * lim.max_rows + 16))
     return demo.launch(css=_css(), head=TOOLTIP_JS, theme=THEME, max_file_size=f"{lim.upload_kb}kb",
                        favicon_path=FAVICON, **kwargs)
 
@@ -327,6 +337,7 @@ def main(argv=None):
     warming.start()
     demo = build(studio)
     warming.join()
+    engine = startup.start_engine(studio)     # after the warm-up: from here the engine owns the model's passes
     t = studio.timings
     where = f"loaded from {studio.cal_folder}" if studio.calibration else studio.cal_error
     print(f"start-up ({'cold: first run converts the GGUF' if t['cold'] else 'warm: model from cache'}): "
@@ -335,6 +346,8 @@ def main(argv=None):
           f"{time.perf_counter() - t_ui:.1f} s; the UMAP domain map loads in the background); "
           f"calibration: {where}", flush=True)
     print(f"caps ({'public Space' if limits.public else 'local'}): {limits.describe()}", flush=True)
+    print(f"serving up to {engine.max_rows} requests in one batch (KV budget {limits.kv_budget_mb} MB); the goodput "
+          "rule sets each shared step's draft length", flush=True)
     launch(demo, studio, prevent_thread_lock=True)
     studio.start_map()              # the UMAP map compiles in the background once the server is up
     demo.block_thread()

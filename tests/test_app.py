@@ -580,3 +580,61 @@ def test_a_page_load_shows_the_cost_panel_as_it_is_now_not_as_the_layout_was_bui
     assert "provisional" in page_handlers.page_load(studio, studio.calibration, None)["cost"]
     monkeypatch.setattr(studio.calibration, "latency", lat)
     assert "provisional" not in page_handlers.page_load(studio, studio.calibration, None)["cost"]
+
+
+# --- the shared batch (serving engine, goodput rule) ------------------------------------------------
+RULE = ("16 rows shared this step: draft length 0 (plain batched decoding) — predicted 230 tokens/s for all rows "
+        "vs 170 drafting (mean α 0.60, provisional costs)")
+
+
+def test_the_stats_line_says_who_shared_the_last_step_and_what_the_rule_chose():
+    from viz import stats as vstats
+    alone = html.unescape(vstats.stats_html(None, steps=[a_step()]))
+    assert "alone in the batch: the strategy's own draft length" in alone
+    crowd = html.unescape(vstats.stats_html(None, steps=[a_step(), a_step(rows=16, rule=RULE)]))
+    assert ("shared with 15 others · draft length 0 (plain batched decoding): predicted 230 tok/s for all vs 170 "
+            "drafting") in crowd and "1 of 2 steps shared, up to 16 rows" in crowd
+
+
+def test_a_request_waiting_for_room_in_the_batch_shows_its_place(studio):
+    from ssd_core.engine.decode import Waiting
+    g = core_generate(studio.backbone, PROMPT, Autoregressive(), max_new_tokens=4)
+    real = [(s, 0.01) for s in g.steps]
+    events = [(Waiting(3, "all 16 rows busy"), 5.0), (Waiting(1, "KV memory: 760 of 768 MB in use"), 5.0),
+              (g.start, 9.0)] + real
+    r = session_views.Run(PROMPT, "ar", vstudio.make_config(4, 3, 0.0, 0.0, 1.0))
+    outs = list(handlers.show_events(studio, Session(), r, iter(events)))
+    assert "waiting for room in the batch: position 3 (all 16 rows busy)" in outs[0]["tokens"]
+    assert "position 1 (KV memory: 760 of 768 MB in use)" in outs[1]["tokens"]
+    assert r.start is g.start and len(r.steps) == len(real)         # a Waiting is neither a step nor model time
+    assert r.compute_s < 5.0 and "done" in outs[-1]["tokens"]
+
+
+def test_the_batch_curve_shows_where_the_rule_stops_drafting_and_where_the_run_was(studio):
+    from ssd_core.engine.goodput import GoodputRule
+    from viz import batch_view as vbatch
+    outs = run(handlers.generate, studio, "KNN-SSD")
+    fig = column(outs, "batch_plot")[-1]
+    names = [t.name for t in fig.data]
+    assert "this run" in names and any("provisional" in a.text for a in fig.layout.annotations)   # built-in costs
+    assert fig.layout.xaxis.range[1] == studio.limits.max_rows + 0.5
+    curve = GoodputRule(studio.backbone).curve(0.7, 4, 0.9)
+    assert vbatch.speculation_off_at(curve) is not None and curve[0]["speedup"] > 1.0   # alone it drafts
+    crowd = vbatch.batch_figure(curve, 4, 0.7, 0.9, rows_here=12.0)
+    assert any("speculation off from" in a.text for a in crowd.layout.annotations)
+    assert "from 6 visitors plain batched decoding" in vbatch.batch_words(curve, 4)
+    assert page_handlers.page_load(studio, studio.calibration, None)["batch_plot"].data
+
+
+def test_generate_runs_through_the_serving_engine(tiny, tiny_calibration):
+    st = startup.load_studio(backbone=tiny, calibration=tiny_calibration.folder, warm=False)
+    engine = startup.start_engine(st)
+    try:
+        assert tiny.engine is engine and engine.max_rows == st.limits.max_rows
+        outs = run(handlers.generate, st, "KNN-SSD")
+        steps = outs[-1]["session"].run.steps
+        assert steps and all(s.rows == 1 for s in steps) and engine.status()["steps"] >= len(steps)
+        assert "alone in the batch" in column(outs, "stats")[-1]
+    finally:
+        engine.close()
+    assert getattr(tiny, "engine", None) is None

@@ -188,6 +188,20 @@ def test_only_model_work_holds_the_model_lane(studio):
     assert not {"replay", "walk_auto", "walk_next"} & model
     for name in ("replay", "walk_auto"):
         assert by_name[name].concurrency_limit and by_name[name].concurrency_limit > 1
+    # every visitor's model work is a row of the engine's one batch: the lane admits max_rows at once
+    assert all(by_name[n].concurrency_limit == studio.limits.max_rows for n in model)
+
+
+def test_the_batch_caps_parse_and_a_class_of_30_racing_fits_the_queue():
+    space = Limits.resolve(env={"SPACE_ID": "a/b"})
+    assert (space.max_rows, space.kv_budget_mb) == (16, 768)
+    assert Limits.resolve(env={}).kv_budget_mb == 2048
+    set_ = Limits.resolve(env={"SPACE_ID": "a/b", "SSD_MAX_ROWS": "8"},
+                          overrides=vlimits.parse_overrides(["kv-budget-mb=512"]))
+    assert (set_.max_rows, set_.kv_budget_mb) == (8, 512)
+    with pytest.raises(ValueError, match="max_rows"):
+        Limits.resolve(env={"SSD_MAX_ROWS": "0"})
+    assert 30 - space.max_rows <= space.queue_size          # 30 races: max_rows run, the rest wait in the queue
 
 
 def test_a_walk_keeps_steps_not_a_live_decode(studio):
@@ -339,8 +353,8 @@ def test_logit_gap_is_the_models_own_top_two_gap(tiny):
 def test_the_race_measures_the_gap_where_texts_part(studio, monkeypatch):
     real_decode = handlers.decode
 
-    def ar_goes_elsewhere(bb, prompt, strategy, cfg, should_stop=None):
-        for ev in real_decode(bb, prompt, strategy, cfg, should_stop=should_stop):
+    def ar_goes_elsewhere(bb, prompt, strategy, cfg, should_stop=None, **kw):     # kw: lookahead (engine.race)
+        for ev in real_decode(bb, prompt, strategy, cfg, should_stop=should_stop, **kw):
             if strategy.name == "ar" and isinstance(ev, Step) and ev.index == 2:
                 ev = dataclasses.replace(ev, committed=tuple((t + 1) % bb.vocab for t in ev.committed))
             yield ev

@@ -15,13 +15,13 @@ import logging
 import time
 from dataclasses import replace
 
-from ssd_core.engine.decode import DecodeConfig, Start, decode
+from ssd_core.engine.decode import DecodeConfig, Start, Waiting, decode
 from viz import cost as vcost
 from viz import stats as vstats
 from viz import tokens as vtok
 from viz.api_handlers import model_failed
-from viz.session import (Run, Session, acceptance_star, cost_view, visitor, layer_fig, map_fig, route_view,
-                         stats_view, tokens_view, trace_download, vocab, NO_TRACE)
+from viz.session import (Run, Session, acceptance_star, batch_view, cost_view, visitor, layer_fig, map_fig,
+                         route_view, stats_view, tokens_view, trace_download, vocab, NO_TRACE)
 from viz.studio import (DEFAULT_DRAFT_LABEL, STRATEGY_OF_LABEL, Studio, Update, clean_prompt, make_config,
                         make_strategy, problem, safe_k)
 
@@ -29,7 +29,7 @@ log = logging.getLogger("knn-ssd-studio")
 
 # what the Generate and Race handlers update, by name
 GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot", "race", "cost",
-               "what_if", "trace_file")
+               "what_if", "batch_plot", "trace_file")
 
 
 UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while a model runs (tokens coalesced)
@@ -84,15 +84,15 @@ def run_stream(studio: Studio, session: Session, prompt: str, strategy: str, dom
     run = Run(prompt, strategy, cfg)
     session.run, session.stop = run, False
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
+    events = decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop, report_wait=True)
     with studio.quiet.job():          # background measurements wait for it (profiles.Quiet)
-        yield from coalesce(show_events(studio, session, run, timed(decode(bb, prompt, strat, cfg,
-                                                                          should_stop=lambda: session.stop)),
-                                        cal_note))
+        yield from coalesce(show_events(studio, session, run, timed(events), cal_note))
 
 
 def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):
     """The Generate view of a run's (event, seconds) stream, live or replayed: tokens, stats, route, map,
-    layer map — each figure sent only when it changes.
+    layer map — each figure sent only when it changes. A `Waiting` event (the serving engine has no room in
+    its batch yet) shows the request's place in the token panel's status; its time is not model time.
 
     The first token goes out alone; the two figures follow with the first step. Drawing them (Plotly,
     a few hundred ms of the browser's main thread on 2 cores) must not hold back the first token's paint."""
@@ -103,8 +103,14 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
     def figures() -> dict:
         return dict(domain_plot=map_fig(studio, run, session.map_whole), layer_plot=layer_fig(studio, run))
 
+    waited = False
     for ev, dt in events:
-        run.compute_s += dt
+        if isinstance(ev, Waiting):
+            waited = True
+            yield dict(tokens=tokens_view(studio, parts, waiting_words(ev)))
+            continue
+        # after a wait, the Start's own seconds are its prefill's: the rest was waiting for room in the batch
+        run.compute_s += ev.prefill_s if waited and isinstance(ev, Start) else dt
         if isinstance(ev, Start):
             run.start = ev
             run.route, run.route_used, skip = _in_use(studio, run, ev)
@@ -139,6 +145,12 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
             f"done · {st.new_tokens} tokens in {len(run.steps)} steps · {st.wall_s:.2f} s model time")
     done += " · hover a token for its step, draft probability and the verifier's choice"
     yield dict(tokens=tokens_view(studio, parts, done))
+
+
+def waiting_words(ev: Waiting) -> str:
+    """The token panel's status while a request waits for room in the serving engine's batch."""
+    reason = f" ({vtok.escape(ev.reason)})" if ev.reason else ""
+    return f"waiting for room in the batch: position {ev.position}{reason}"
 
 
 def request_settings(studio: Studio, racing: bool, prompt, max_new, gamma, threshold, temperature, top_p, k, draft, seed):
@@ -187,7 +199,8 @@ def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, g
             yield dict(session=session, **update, **reset)
             reset = {}
         cost, what_if_fig = cost_view(studio, session.run, None)
-        yield dict(session=session, cost=cost, what_if=what_if_fig, race=vstats.race_html(None),
+        yield dict(session=session, cost=cost, what_if=what_if_fig, batch_plot=batch_view(studio, session.run),
+                   race=vstats.race_html(None),
                    stats=stats_view(session.run, session.race), trace_file=trace_download(studio, session))
     except Exception as exc:        # noqa: BLE001 - a visitor sees a sentence, the log keeps the traceback
         log.exception("decode failed")

@@ -35,6 +35,10 @@ CAPS = {
                                "new tokens per lap of a Race (it decodes twice; \"Try these\" is a Race)"),
     "walk_max_new_tokens": Cap(96, 256, "SSD_WALK_MAX_NEW_TOKENS",
                                "tokens a Step-through decodes at Start (then it plays back without the model)"),
+    "max_rows": Cap(16, 16, "SSD_MAX_ROWS", "visitors' requests the model serves at once, in one batch; more wait "
+                                            "in the queue"),
+    "kv_budget_mb": Cap(768, 2048, "SSD_KV_BUDGET_MB", "KV-cache memory for the rows in the batch (MB); a request "
+                                                      "that does not fit waits, its position shown"),
     "queue_size": Cap(32, 64, "SSD_QUEUE_SIZE", "requests waiting in the queue; more are turned away"),
     "in_flight": Cap(2, 8, "SSD_IN_FLIGHT", "requests one visitor (browser session or API client) may have "
                                            "queued or running at once"),
@@ -53,6 +57,8 @@ class Limits:
     max_new_tokens: int = CAPS["max_new_tokens"].local
     race_max_new_tokens: int = CAPS["race_max_new_tokens"].local
     walk_max_new_tokens: int = CAPS["walk_max_new_tokens"].local
+    max_rows: int = CAPS["max_rows"].local
+    kv_budget_mb: int = CAPS["kv_budget_mb"].local
     queue_size: int = CAPS["queue_size"].local
     in_flight: int = CAPS["in_flight"].local
     upload_kb: int = CAPS["upload_kb"].local

@@ -3,16 +3,16 @@ state (a calibration installed after the layout was built, a domain map loaded s
 built so far), and each visitor's own pick of calibration. No model runs here."""
 from __future__ import annotations
 
-from viz.session import cost_view, domains_views, get_session, layer_fig, map_fig, route_view, visitor
+from viz.session import batch_view, cost_view, domains_views, get_session, layer_fig, map_fig, route_view, visitor
 from viz.studio import Studio, Update
 from viz.tokens import escape
 
 # what a page load may update: a calibration installed after the layout was built, the chooser's line
 PAGE_OUTPUTS = ("session", "cal_row", "banner", "strategy", "k", "domain_plot", "layer_plot", "cost",
-                "what_if", "domains_md", "sets_plot", "match_plot", "wi_verify", "cal_info")
+                "what_if", "batch_plot", "domains_md", "sets_plot", "match_plot", "wi_verify", "cal_info")
 # what picking a calibration updates
-CHOOSE_OUTPUTS = ("session", "route", "domain_plot", "layer_plot", "cost", "what_if", "domains_md", "sets_plot",
-                  "match_plot", "k", "cal_info")
+CHOOSE_OUTPUTS = ("session", "route", "domain_plot", "layer_plot", "cost", "what_if", "batch_plot", "domains_md",
+                  "sets_plot", "match_plot", "k", "cal_info")
 
 
 def page_load(studio: Studio, built_with, session) -> dict:
@@ -24,19 +24,21 @@ def page_load(studio: Studio, built_with, session) -> dict:
     now = cal_info(studio, session) if studio.choices else {}
     if cal is built_with:
         # the UMAP may have finished loading in the background since the layout was built, and this machine's
-        # latency model may have been measured (the layout's cost panel said "provisional")
+        # latency model and batched pass costs may have been measured (the layout's panels said "provisional")
         out = dict(session=session, **now, **({"domain_plot": map_fig(studio, None)} if studio.domain_map is not None
                                               else {}))
         if cal is not None:
             cost, what_if_fig = cost_view(studio, None, None)
-            out.update(cost=cost, what_if=what_if_fig, wi_verify=Update(value=what_if_verify(cal)))
+            out.update(cost=cost, what_if=what_if_fig, wi_verify=Update(value=what_if_verify(cal)),
+                       batch_plot=batch_view(studio, None))
         return out
     text, sets, match = domains_views(studio)
     cost, what_if_fig = cost_view(studio, None, None)
     out = dict(session=session, cal_row=Update(visible=cal is None),
                strategy=Update(value="KNN-SSD" if cal else "autoregressive"),
                domain_plot=map_fig(studio, None), layer_plot=layer_fig(studio, None), cost=cost,
-               what_if=what_if_fig, domains_md=text, sets_plot=Update(value=sets, visible=cal is not None),
+               what_if=what_if_fig, batch_plot=batch_view(studio, None), domains_md=text,
+               sets_plot=Update(value=sets, visible=cal is not None),
                match_plot=Update(value=match, visible=cal is not None), **now)
     if cal:
         out.update(k=Update(value=cal.router.k), wi_verify=Update(value=what_if_verify(cal)))
@@ -60,7 +62,8 @@ def choose_calibration(studio: Studio, session, name) -> dict:
     text, sets, match = domains_views(view)
     cost, what_if_fig = cost_view(view, None, None)
     return dict(session=session, route=route_view(None), domain_plot=map_fig(view, None),
-                layer_plot=layer_fig(view, None), cost=cost, what_if=what_if_fig, domains_md=text,
+                layer_plot=layer_fig(view, None), cost=cost, what_if=what_if_fig, batch_plot=batch_view(view, None),
+                domains_md=text,
                 sets_plot=sets, match_plot=match, k=Update(value=cal.router.k),
                 cal_info=calibration_info(studio, name))
 

@@ -15,7 +15,7 @@ from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
 from viz import stats as vstats
 from viz.handlers import coalesce, failed, refused, request_settings, show_events
-from viz.session import NO_TRACE, Run, Session, cost_view, stats_view, trace_download, visitor
+from viz.session import NO_TRACE, Run, Session, batch_view, cost_view, stats_view, trace_download, visitor
 from viz.studio import DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, clean_prompt, make_strategy
 
 log = logging.getLogger("knn-ssd-studio")
@@ -123,4 +123,5 @@ def _verdict(studio: Studio, session: Session, run: Run, a, b, cfg, against: str
         tie_gap=gap, spread=(min(thirds), max(thirds)) if len(thirds) > 1 else None, **other)
     cost, what_if_fig = cost_view(studio, run, session.race)
     return dict(session=session, race=vstats.race_html(session.race), stats=stats_view(run, session.race),
-                cost=cost, what_if=what_if_fig, trace_file=trace_download(studio, session))
+                cost=cost, what_if=what_if_fig, batch_plot=batch_view(studio, run),
+                trace_file=trace_download(studio, session))

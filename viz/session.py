@@ -14,6 +14,9 @@ from ssd_core.engine.decode import DecodeConfig, Start
 from ssd_core.engine.device import device_label
 from ssd_core.engine.generate import summarize
 from ssd_core.engine.trace import Trace, record
+from ssd_core.engine.goodput import GoodputRule
+from ssd_core.engine.rows import ALPHA_PRIOR
+from viz import batch_view as vbatch
 from viz import cost as vcost
 from viz import domain_map as vmap
 from viz import layers as vlayers
@@ -229,6 +232,33 @@ def cost_view(studio: Studio, run: Run | None, race: vstats.RaceResult | None):
     here = "this CPU" if lat.device.startswith("cpu") else "this GPU" if lat.device.startswith("cuda") else lat.device
     return html, vcost.what_if_figure(gamma, b["draft_cost"], b["verify_cost"], star, c_big=c_big, label=label,
                                       here=here)
+
+
+def batch_view(studio: Studio, run: Run | None):
+    """The cost panel's batch figure: the goodput rule's predicted speedup over plain batched decoding as the
+    number of visitors grows, at this run's α, γ and draft (else the calibration's static set), and where the
+    run's steps were. The serving engine's rule and costs when one serves, else the rule's built-in costs."""
+    cal, bb = studio.calibration, studio.backbone
+    engine = getattr(studio, "engine", None)
+    rule = getattr(engine, "rule", None) or GoodputRule(bb)
+    stats = run.stats if run is not None else None
+    skip = run.skip if run is not None and run.skip is not None else (cal.static if cal is not None else None)
+    if stats is not None and stats.drafted:
+        alpha, source = stats.alpha, "this run"
+    elif cal is not None:
+        kind = run.config.draft if run is not None else "int8"
+        acc = cal.acceptance(kind if cal.latency.knows(kind) else "fp32")
+        alpha, source = acc.get(skip.name, acc["static"]), "calibration"
+    else:
+        alpha, source = ALPHA_PRIOR, "the engine's prior"
+    gamma = run.config.gamma if run is not None else 4
+    ratio = 1.0 - bb.skip_weight_ratio(skip) if skip is not None else 1.0
+    most = getattr(engine, "max_rows", None) or studio.limits.max_rows
+    curve = rule.curve(alpha, gamma, ratio, rows=range(1, max(2, most) + 1))
+    steps = run.steps if run is not None else []
+    here = sum(s.rows for s in steps) / len(steps) if steps else None
+    return vbatch.batch_figure(curve, gamma, alpha, ratio, rows_here=here, provisional=rule.costs.provisional,
+                               alpha_source=source)
 
 
 def acceptance_star(stats, gamma: int, alpha: float) -> tuple[float, str]:

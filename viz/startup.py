@@ -18,6 +18,8 @@ from ssd_core.calibration.domains import load_prompts, split
 from ssd_core.calibration import profiles
 from ssd_core.engine import loading as core_loading
 from ssd_core.engine.decode import DecodeConfig
+from ssd_core.engine.goodput import GoodputRule, costs_for_machine
+from ssd_core.engine.serve import Engine
 from viz.handlers import generate
 from viz.limits import Limits
 from viz.session import banner
@@ -78,6 +80,28 @@ def measure_latency(studio: Studio, todo) -> None:
     for cal in todo:
         _install_latency(cal, fresh, "measured")
     studio.timings["latency_s"] = round(time.perf_counter() - t, 1)
+
+
+def start_engine(studio: Studio) -> Engine:
+    """Serve every visitor from one batch: the engine's thread owns the model's passes from now on, and each
+    `decode()` a handler starts joins its running batch (engine.serve), within the caps' rows and KV memory;
+    the goodput rule sets the draft length of each shared step. Call after the warm-up (it runs the model
+    directly); the tests leave it out, so their decodes run alone on their own thread."""
+    lim = studio.limits
+    studio.engine = Engine(studio.backbone, max_rows=lim.max_rows, kv_budget_mb=lim.kv_budget_mb,
+                           rule=GoodputRule(studio.backbone)).attach()
+    return studio.engine
+
+
+def measure_batch_costs(studio: Studio) -> None:
+    """This machine's packed-pass costs for the goodput rule (~6 s of idle engine, cached; until then its
+    built-in ones, marked provisional), timed in Quiet slices between visitors' jobs like the latency model."""
+    rule = getattr(studio.engine, "rule", None)
+    if rule is None:
+        return
+    t = time.perf_counter()
+    rule.costs = costs_for_machine(studio.backbone, turn=studio.quiet.slice)
+    studio.timings["batch_costs_s"] = round(time.perf_counter() - t, 1)
 
 
 def describe_choice(name: str, cal, served: bool) -> tuple[str, str]:
@@ -183,6 +207,12 @@ def load_studio(spec: str | None = None, calibration: str | Path | None = None, 
             if map_in_background:
                 print(f"latency model measured on this machine in {studio.timings['latency_s']} s on an idle "
                       f"engine and cached ({why})", flush=True)
+        # and the batched passes' costs the goodput rule prices shared steps with (with an engine serving)
+        if studio.engine is not None:
+            measure_batch_costs(studio)
+            if map_in_background:
+                print(f"batched pass costs for the goodput rule ready after {studio.timings['batch_costs_s']} s "
+                      "(measured on an idle engine, or this machine's cached ones)", flush=True)
         # then the heavy start-up work (UMAP's numba compile, draft builds) yields the CPU to visitors
         lower_priority()
         t = time.perf_counter()

@@ -77,7 +77,38 @@ def stats_html(stats=None, *, race: RaceResult | None = None, speculative: bool 
     extra = f'<div class="stats-note">{escape(note)}</div>' if note else ""
     lengths = [len(s.committed) for s in steps]
     return (f'<div class="stats-line"><div class="stats-bar">{"".join(cells)}</div>'
-            f"{accept_histogram_html(lengths, gamma)}{steps_strip_html(steps)}</div>{extra}")
+            f"{accept_histogram_html(lengths, gamma)}{steps_strip_html(steps)}</div>{batch_html(steps, speculative)}"
+            f"{extra}")
+
+
+def batch_words(steps, speculative: bool = True) -> str:
+    """The shared batch in words: how many others the last step's passes carried and what the goodput rule
+    chose for it (Step.rows, Step.rule), then how many of the run's steps were shared."""
+    steps = list(steps)
+    if not steps:
+        return ""
+    last = steps[-1]
+    if last.rows <= 1:
+        words = "alone in the batch: " + ("the strategy's own draft length" if speculative else "plain decoding")
+    else:
+        others = last.rows - 1
+        words = f"shared with {others} other{'s' if others != 1 else ''}"
+        if last.rule:      # "4 rows shared this step: draft length 0 (…) — predicted 230 tokens/s for all rows …"
+            chose = last.rule.partition("shared this step: ")[2] or last.rule
+            words += " · " + chose.replace(" tokens/s for all rows", " tok/s for all").replace(" — ", ": ", 1)
+        else:              # the others were reading their prompts: the rule had no decoding rows to weigh
+            words += " (reading their prompts) · the strategy's own draft length"
+    shared = [s.rows for s in steps if s.rows > 1]
+    if shared:
+        words += f" · {len(shared)} of {len(steps)} steps shared, up to {max(shared)} rows"
+    return words
+
+
+def batch_html(steps, speculative: bool = True) -> str:
+    words = batch_words(steps, speculative)
+    return (f'<div class="stats-batch" title="every visitor\'s request is a row of one batched pass; the goodput '
+            'rule sets each shared step\'s draft length" style="font-size:12px;color:var(--muted);margin-top:3px">'
+            f"{escape(words)}</div>") if words else ""
 
 
 def _lossless_metric(race: RaceResult) -> str:

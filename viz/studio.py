@@ -106,6 +106,9 @@ class Studio:
     choices: dict = field(default_factory=dict)
     # visitors' model jobs vs background measurements: never at the same time (profiles.Quiet)
     quiet: Quiet = field(default_factory=Quiet)
+    # the serving engine every visitor's decode goes through, stepped in one batch (viz.startup.start_engine;
+    # None: each decode runs alone on its caller's thread, as in the tests and the benchmark)
+    engine: object | None = None
 
     def for_visitor(self, name: str | None) -> "Studio":
         """This studio as a visitor who picked calibration `name` sees it: the same model, caps and
