@@ -290,6 +290,11 @@ def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
         return api.generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
                                  draft, seed, calibration)
     gr.api(generate_text_api, api_name="generate_text", concurrency_limit=rows, concurrency_id="model")
+
+    def engine_status() -> dict:        # the load tests read rows, waiting and KV memory (outside the queue)
+        engine = studio.engine
+        return engine.status() if engine is not None else {}
+    gr.api(engine_status, api_name="engine_status", queue=False, api_visibility="undocumented")
     if len(studio.choices) > 1:     # a run may have built a draft: the chooser's memory line says so
         for run in [*runs, walk_start]:
             run.then(wired(ph.cal_info, ["cal_info"], studio), [session], ui["cal_info"], **quiet)

@@ -255,17 +255,18 @@ def test_stop_ends_one_request_while_others_continue(bb64, serve):
     stopped = {"prompt": "stop me after three steps", "skip": SkipSet({1}, {2}),
                "cfg": DecodeConfig(max_new_tokens=40, gamma=3, draft="fp32", stop_at_eos=False)}
 
-    def after(k):
-        calls = [0]
-
-        def should_stop():
-            calls[0] += 1
-            return calls[0] > k
-        return should_stop
-    want_stopped = alone(bb64, stopped, should_stop=after(3))
+    def read(**kw):
+        """Start + 3 Steps, then Stop: should_stop looks at what this reader has seen (it is also asked
+        while the prompt is read); lookahead 0 keeps the engine from stepping ahead of the reader."""
+        seen = []
+        for ev in decode(bb64, stopped["prompt"], strategy_of(stopped), stopped["cfg"],
+                         should_stop=lambda: len(seen) > 3, lookahead=0, **kw):
+            seen.append(ev)
+        return seen
+    want_stopped = tokens(read())
     want = [alone(bb64, r) for r in reqs]
     serve(max_rows=3, chunk=8)
-    jobs = [(0.0, ask(bb64, stopped, should_stop=after(3)))]
+    jobs = [(0.0, read)]
     jobs += [(0.01 * i, ask(bb64, r)) for i, r in enumerate(reqs)]
     got = in_threads(jobs)
     events = got[0]

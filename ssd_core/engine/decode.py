@@ -29,7 +29,7 @@ def encode_for(backbone: Backbone, prompt: str, config: DecodeConfig) -> PromptI
 
 def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | None = None,
            config: DecodeConfig = DecodeConfig(), should_stop=None, lookahead: int | None = None,
-           report_wait: bool = False) -> Iterator[Start | Step]:
+           report_wait: bool = False, group=None) -> Iterator[Start | Step]:
     """Prefill, then speculative (or autoregressive) steps until EOS or max_new_tokens.
 
     should_stop: optional callable polled once per step (cancellation).
@@ -37,6 +37,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     running batch: the engine steps it beside every other visitor's. lookahead: most events the engine
     may step ahead of this consumer (0: only when asked for the next one, as a race's lockstep laps
     need; None: free). report_wait: also yield `Waiting` events while it waits for KV memory.
+    group: any object shared by requests one reader alternates between (a race's laps; Engine.submit).
     Alone (no engine, or on the engine's own thread) it runs here, through the same step code.
     """
     strategy = strategy or Strategy()
@@ -45,7 +46,7 @@ def decode(backbone: Backbone, prompt: PromptIds | str, strategy: Strategy | Non
     row = Row(backbone, prompt, strategy, config, should_stop)
     engine = getattr(backbone, "engine", None)
     if engine is not None and engine.serving():
-        yield from engine.submit(row, lookahead=lookahead, report_wait=report_wait)
+        yield from engine.submit(row, lookahead=lookahead, report_wait=report_wait, group=group)
         return
     while not row.finished:
         for _, event in advance(backbone, [row]):

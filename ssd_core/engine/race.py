@@ -66,8 +66,10 @@ def lockstep(backbone, prompt, a, b, config: DecodeConfig = DecodeConfig(), shou
     (on a tie, the one that did not step last), until both are done or `should_stop()`."""
     laps = {"a": Lap(), "b": Lap()}
     # through a serving engine, each lap steps only when asked (lookahead 0): the laps still alternate
-    runs = {"a": decode(backbone, prompt, a, config, should_stop=should_stop, lookahead=0),
-            "b": decode(backbone, prompt, b, config, should_stop=should_stop, lookahead=0)}
+    # and the second lap joins the batch as soon as the first runs (group: its reader waits on both)
+    pair = object()
+    runs = {"a": decode(backbone, prompt, a, config, should_stop=should_stop, lookahead=0, group=pair),
+            "b": decode(backbone, prompt, b, config, should_stop=should_stop, lookahead=0, group=pair)}
     last = "b"
     order = ["a", "b"]                      # prefill: a, then b
     while True:

@@ -78,12 +78,13 @@ def advance(bb: Backbone, rows: list[Row], chunk: int | None = None, limit=None)
     events = []
     decoding = []
     for r in rows:
-        if r.finished or r.prefilling:
+        if r.finished:
             continue
-        if r.should_stop is not None and r.should_stop():
+        if r.should_stop is not None and r.should_stop():     # Stop: also while the prompt is still read
             r.finished = r.stopped = True
             continue
-        decoding.append(r)
+        if not r.prefilling:
+            decoding.append(r)
     plans = [_plan(r) for r in decoding]
     words = ""
     if limit is not None and len(decoding) > 1:

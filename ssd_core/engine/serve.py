@@ -31,8 +31,8 @@ _END = object()
 class Request:
     """One submitted row and its event queue (filled by the engine, read by the submitter's generator)."""
 
-    def __init__(self, engine: "Engine", row: Row, lookahead: int | None):
-        self.engine, self.row, self.lookahead = engine, row, lookahead
+    def __init__(self, engine: "Engine", row: Row, lookahead: int | None, group=None):
+        self.engine, self.row, self.lookahead, self.group = engine, row, lookahead, group
         self.events: deque = deque()
         self.asked = False            # its reader is waiting for an event
         self.closed = False           # its reader left
@@ -85,9 +85,11 @@ class Engine:
         return self._thread is not None and not self._stop and threading.current_thread() is not self._thread
 
     # --- what callers see ---------------------------------------------------------------------------
-    def submit(self, row: Row, lookahead: int | None = None, report_wait: bool = False):
-        """Queue `row`; yield its events as the engine produces them (Waiting ones if report_wait)."""
-        req = Request(self, row, lookahead)
+    def submit(self, row: Row, lookahead: int | None = None, report_wait: bool = False, group=None):
+        """Queue `row`; yield its events as the engine produces them (Waiting ones if report_wait).
+        group: requests one reader alternates between (a race's two laps): once one of them runs, the
+        others join at once, caps or not — the reader could otherwise wait on a lap that waits on it."""
+        req = Request(self, row, lookahead, group)
         with self._cv:
             self._waiting.append(req)
             self._cv.notify_all()
@@ -143,23 +145,28 @@ class Engine:
         return sum(r.row.kv_bytes() for r in self._active)
 
     def _admit(self) -> None:
-        """Waiting requests join in arrival order while rows and KV memory allow. If nothing admitted can
-        move (every active row waits for its reader, e.g. a race's lap waiting for the other), the head of
-        the queue joins regardless: waiting would then never end."""
+        """Waiting requests join in arrival order while rows and KV memory allow; on an idle engine the
+        first joins whatever its size. A request whose group already runs joins at once (`submit`): a
+        race holds at most one row beyond the caps, and its reader never waits on itself."""
+        running = {id(r.group) for r in self._active if r.group is not None}
+        for req in [w for w in self._waiting if w.group is not None and id(w.group) in running]:
+            self._waiting.remove(req)
+            self._join(req)
         while self._waiting:
             req = self._waiting[0]
             fits = len(self._active) < self.max_rows and self._kv_used() + req.row.kv_bytes() <= self.kv_budget
-            stuck = not any(r.wants_step() for r in self._active)
-            if not (fits or stuck):
+            if not (fits or not self._active):
                 newly = [w for w in self._waiting if not w.held]
                 for w in newly:
                     w.held = True
                 if newly:
                     self._cv.notify_all()     # their readers may now report Waiting
                 return
-            self._waiting.popleft()
-            req.admitted = True
-            self._active.append(req)
+            self._join(self._waiting.popleft())
+
+    def _join(self, req: Request) -> None:
+        req.admitted = True
+        self._active.append(req)
 
     def _loop(self) -> None:
         while True:
