@@ -1,20 +1,70 @@
-"""The preallocated KV cache: keys and values of every layer, cut back to an absolute length in O(1)."""
+"""The KV cache: keys and values of every layer, cut back to an absolute length in O(1).
+
+A sequence decoded alone owns a preallocated `KVCache`. The serving engine keeps its rows' caches
+in one `KVPool`: a slot per row, so that a pass's one-token rows write their new keys in one
+indexed copy and attend over their slots as one tensor (packed.forward_rows), instead of one copy
+and one call per row.
+"""
 from __future__ import annotations
 
 import torch
 
 
 class KVCache:
-    """Preallocated keys/values for every layer; `length` positions are valid."""
+    """Keys/values for every layer, (layers, kv heads, positions, head dim); `length` positions are valid."""
 
     def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int, dtype, device=None):
         self.k = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(n_layers, n_kv, max_len, head_dim, dtype=dtype, device=device)
         self.length = 0
         self.max_len = max_len
+        self.pool, self.slot = None, None
+
+    @classmethod
+    def in_pool(cls, pool: "KVPool", slot: int, max_len: int) -> "KVCache":
+        """A cache whose keys/values are views of one slot of `pool` (no memory of its own)."""
+        self = cls.__new__(cls)
+        self.k, self.v = pool.k[:, slot], pool.v[:, slot]
+        self.length, self.max_len, self.pool, self.slot = 0, max_len, pool, slot
+        return self
 
     def crop(self, length: int) -> None:
         """Cut back every layer to an absolute length (positions past it are dead)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
+
+
+class KVPool:
+    """Slots of `slot_len` positions for the engine's rows. Allocated empty (pages are touched only as rows
+    use them); a slot's positions are kept finite up to `finite[slot]` (written, or zeroed when a pass
+    first reads them as padding), since a masked key still multiplies its value by zero."""
+
+    def __init__(self, n_layers: int, n_kv: int, slots: int, slot_len: int, head_dim: int, dtype, device=None):
+        shape = (n_layers, slots, n_kv, slot_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.slot_len = slot_len
+        self.free = list(range(slots))
+        self.finite = [0] * slots
+
+    def take(self, max_len: int) -> KVCache | None:
+        """The lowest free slot as a cache of `max_len` positions (None: too long, or no slot free)."""
+        if max_len > self.slot_len or not self.free:
+            return None
+        slot = min(self.free)
+        self.free.remove(slot)
+        return KVCache.in_pool(self, slot, max_len)
+
+    def give(self, cache: KVCache) -> None:
+        self.finite[cache.slot] = max(self.finite[cache.slot], cache.length)
+        self.free.append(cache.slot)
+
+    def pad(self, slots: list[int], lengths: list[int], upto: int) -> None:
+        """Make positions [length, upto) of each slot finite (zero what was never written)."""
+        for s, n in zip(slots, lengths):
+            self.finite[s] = max(self.finite[s], n)
+            if self.finite[s] < upto:
+                self.k[:, s, :, self.finite[s]:upto] = 0.0
+                self.v[:, s, :, self.finite[s]:upto] = 0.0
+                self.finite[s] = upto

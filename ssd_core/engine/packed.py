@@ -121,23 +121,38 @@ def _attention_rows(bb: Backbone, x, L, lin, rows, sizes, starts, masks, i, cos,
     singles = [j for j, n in enumerate(sizes) if n == 1] if len(sizes) >= BATCHED_SINGLES else []
     if len(singles) < BATCHED_SINGLES:
         singles = []
+    pooled = pad.pool(rows, singles) if singles else None
     outs, a, at = [None] * len(rows), 0, []
     for j, (r, n, p0, mask) in enumerate(zip(rows, sizes, starts, masks)):
         b, end = a + n, p0 + n
-        cache = r.cache
-        cache.k[i, :, p0:end], cache.v[i, :, p0:end] = qk[H:, a:b], v_all[:, a:b]
         if n == 1 and singles:
             at.append(a)
-        else:
-            o = F.scaled_dot_product_attention(qk[:H, a:b].reshape(1, Hk, g * n, hd), cache.k[i, :, :end][None],
-                                               cache.v[i, :, :end][None], attn_mask=mask)
-            outs[j] = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
+            if pooled is None:         # narrow + copy_: a third of the Python cost of slice assignment
+                r.cache.k[i].narrow(1, p0, 1).copy_(qk[H:, a:b])
+                r.cache.v[i].narrow(1, p0, 1).copy_(v_all[:, a:b])
+            a = b
+            continue
+        cache = r.cache
+        cache.k[i].narrow(1, p0, n).copy_(qk[H:, a:b])
+        cache.v[i].narrow(1, p0, n).copy_(v_all[:, a:b])
+        o = F.scaled_dot_product_attention(qk[:H, a:b].reshape(1, Hk, g * n, hd), cache.k[i, :, :end][None],
+                                           cache.v[i, :, :end][None], attn_mask=mask)
+        outs[j] = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
         a = b
-    if singles:
+    if singles and pooled is not None:   # one indexed write and a view (or one gather) of their slots
+        pool, slots, positions, span, valid = pooled
+        pool.k[i][slots, :, positions] = qk[H:, at].transpose(0, 1)
+        pool.v[i][slots, :, positions] = v_all[:, at].transpose(0, 1)
+        keys, values = (pool.k[i, span[0]:span[1], :, :span[2]], pool.v[i, span[0]:span[1], :, :span[2]]) \
+            if span[0] is not None else (pool.k[i, :, :, :span[2]].index_select(0, slots),
+                                         pool.v[i, :, :, :span[2]].index_select(0, slots))
+    elif singles:
         keys, values, valid = pad(rows, singles, starts)
         for b, j in enumerate(singles):
             end = starts[j] + 1
-            keys[b, :, :end], values[b, :, :end] = rows[j].cache.k[i, :, :end], rows[j].cache.v[i, :, :end]
+            keys[b].narrow(1, 0, end).copy_(rows[j].cache.k[i].narrow(1, 0, end))
+            values[b].narrow(1, 0, end).copy_(rows[j].cache.v[i].narrow(1, 0, end))
+    if singles:
         q = qk[:H, at].transpose(0, 1).reshape(len(singles), Hk, g, hd)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid).reshape(len(singles), H * hd)
         for b, j in enumerate(singles):
@@ -149,7 +164,29 @@ class _Padded:
     """The zero-padded key/value buffer of a pass's one-token rows, made at the first layer that needs it."""
 
     def __init__(self, bb: Backbone):
-        self.bb, self.made = bb, None
+        self.bb, self.made, self.pooled = bb, None, False
+
+    def pool(self, rows, singles):
+        """When every one-token row's cache is a slot of one KVPool: (pool, slot index, write positions,
+        (first slot or None, end slot, keys to read), padding mask), worked out once per pass; else None."""
+        if self.pooled is not False:
+            return self.pooled
+        caches = [rows[j].cache for j in singles]
+        pool = caches[0].pool
+        self.pooled = None
+        if pool is None or any(c.pool is not pool for c in caches):
+            return None
+        bb = self.bb
+        slots = [c.slot for c in caches]
+        lengths = [c.length + 1 for c in caches]          # after this pass's token
+        upto = max(lengths)
+        pool.pad(slots, lengths, upto)
+        lo = slots[0]
+        span = (lo if slots == list(range(lo, lo + len(slots))) else None, lo + len(slots), upto)
+        lengths_t = torch.tensor(lengths, device=bb.device)
+        valid = (torch.arange(upto, device=bb.device)[None, :] < lengths_t[:, None])[:, None, None, :]
+        self.pooled = (pool, torch.tensor(slots, device=bb.device), lengths_t - 1, span, valid)
+        return self.pooled
 
     def __call__(self, rows, singles, starts):
         if self.made is None:

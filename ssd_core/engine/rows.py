@@ -68,12 +68,14 @@ class Row:
         return DecodeState(self.bb, self.cache, self.tokens, self.generated, self.index, self.config)
 
 
-def advance(bb: Backbone, rows: list[Row], chunk: int | None = None, limit=None) -> list[tuple[Row, object]]:
+def advance(bb: Backbone, rows: list[Row], chunk: int | None = None, limit=None, pool=None
+            ) -> list[tuple[Row, object]]:
     """One step of every row in `rows`: [(row, Start | Step)], at most one event per row.
 
     chunk: most prompt tokens prefilled in this step, over all rows (None: whole prompts).
     limit: a callable (decoding rows, their γ, whether they look up) → (γ cap, words), consulted only
-    when several rows decode together (engine.goodput.GoodputRule.choose)."""
+    when several rows decode together (engine.goodput.GoodputRule.choose).
+    pool: a kv_cache.KVPool that new rows take their cache from (a slot, when one is free and long enough)."""
     t_start = time.perf_counter()
     events = []
     decoding = []
@@ -104,7 +106,8 @@ def advance(bb: Backbone, rows: list[Row], chunk: int | None = None, limit=None)
         if r.finished or not r.prefilling or (budget is not None and budget <= 0):
             continue
         if r.cache is None:
-            r.cache, r.t_first = r.bb.new_cache(r.capacity), t_verify
+            r.cache = (pool.take(r.capacity) if pool is not None else None) or r.bb.new_cache(r.capacity)
+            r.t_first = t_verify
         take = len(r.prompt) - r.read if budget is None else min(budget, len(r.prompt) - r.read)
         budget = None if budget is None else budget - take
         passes.append(RowPass(list(r.prompt.ids[r.read:r.read + take]), r.cache, EMPTY, "none"))

@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 from .decode import Waiting
+from .kv_cache import KVPool
 from .rows import Row, advance
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Request:
 
     def __init__(self, engine: "Engine", row: Row, lookahead: int | None, group=None):
         self.engine, self.row, self.lookahead, self.group = engine, row, lookahead, group
+        self.cv = threading.Condition(engine._lock)     # its reader waits here; only its own events wake it
         self.events: deque = deque()
         self.asked = False            # its reader is waiting for an event
         self.closed = False           # its reader left
@@ -52,24 +54,44 @@ class Engine:
     """Owns the backbone's forward passes while it serves; `decode()` on any other thread goes through it."""
 
     def __init__(self, backbone, max_rows: int = 16, kv_budget_mb: float = 1024, rule=None,
-                 chunk: int = PREFILL_CHUNK):
+                 chunk: int = PREFILL_CHUNK, slot_len: int = 2048):
         self.bb, self.max_rows, self.kv_budget = backbone, max_rows, int(kv_budget_mb * 1e6)
         self.rule, self.chunk = rule, chunk
-        self._cv = threading.Condition()
+        # one lock; the engine thread waits on _cv, each reader on its own Request.cv: a step wakes only
+        # the readers it gave events to (one shared condition woke every reader at every event, and each
+        # woken reader woke all the others: with 16 readers the engine starved, 1.5 s a step)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
         self._thread: threading.Thread | None = None
+        self._owner: threading.Thread | None = None   # the thread that runs the loop
+        # the rows' caches: a slot each (a race's lap may join beyond max_rows: twice the slots), allocated
+        # empty, so memory is touched only as rows use it; a longer row gets a cache of its own
+        bb = backbone
+        self.pool = KVPool(bb.n_layers, bb.n_kv, 2 * max_rows, min(slot_len, bb.max_positions), bb.head_dim,
+                           bb.dtype, bb.device)
         self._stop = False
         self.steps = 0                 # engine steps taken (tests, the status line)
         self.last_rows = 0             # rows in the last step
 
     # --- life cycle -----------------------------------------------------------------------------------
-    def attach(self) -> "Engine":
-        """Start the engine thread and route the backbone's `decode()` calls through it."""
-        self._thread = threading.Thread(target=self._loop, name="ssd-engine", daemon=True)
-        self._thread.start()
+    def attach(self, thread: bool = True) -> "Engine":
+        """Route the backbone's `decode()` calls through this engine and start serving them: on a thread
+        of its own, or (thread=False) on the caller's thread when it calls `run()` — requests queue until
+        then. Prefer the thread that loaded the model: torch's OpenMP workers are made per thread that
+        starts parallel work, and a second thread's step ran ~30% slower here (AMD EPYC, 2 cores;
+        16 one-token rows: 146 vs 97 ms) once the first had run torch."""
         self.bb.engine = self
+        if thread:
+            self._thread = threading.Thread(target=self.run, name="ssd-engine", daemon=True)
+            self._thread.start()
         return self
+
+    def run(self) -> None:
+        """Serve on this thread until `close()`."""
+        self._owner = threading.current_thread()
+        self._loop()
 
     def close(self) -> None:
         if getattr(self.bb, "engine", None) is self:
@@ -77,12 +99,12 @@ class Engine:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
     def serving(self) -> bool:
         """Whether a decode() call here should go through the engine (not on the engine's own thread)."""
-        return self._thread is not None and not self._stop and threading.current_thread() is not self._thread
+        return not self._stop and threading.current_thread() is not self._owner
 
     # --- what callers see ---------------------------------------------------------------------------
     def submit(self, row: Row, lookahead: int | None = None, report_wait: bool = False, group=None):
@@ -90,38 +112,42 @@ class Engine:
         group: requests one reader alternates between (a race's two laps): once one of them runs, the
         others join at once, caps or not — the reader could otherwise wait on a lap that waits on it."""
         req = Request(self, row, lookahead, group)
-        with self._cv:
+        with self._lock:
             self._waiting.append(req)
-            self._cv.notify_all()
+            self._cv.notify()
         shown = None
         try:
             while True:
-                with self._cv:
+                with self._lock:
                     while not req.events:
                         if report_wait and req.held and not req.admitted:
                             pos = self._position(req)
                             if pos and pos != shown:
                                 break
-                        req.asked = True
-                        self._cv.notify_all()
-                        self._cv.wait(timeout=1.0)
+                        if not req.asked:
+                            req.asked = True
+                            if req.lookahead is not None:
+                                self._cv.notify()       # it steps only when asked: tell the engine
+                        req.cv.wait(timeout=1.0)
                     req.asked = False
+                    full = len(req.events) >= BUFFER
                     ev = req.events.popleft() if req.events else None
                     if ev is None:
                         shown = self._position(req)
                         ev = Waiting(shown, self._wait_reason(req))
-                    self._cv.notify_all()
+                    if full:
+                        self._cv.notify()               # room in its buffer again
                 if ev is _END:
                     if req.error is not None:
                         raise req.error
                     return
                 yield ev
         finally:                       # the reader left (GeneratorExit) or finished: free the row
-            with self._cv:
+            with self._lock:
                 req.closed = True
                 if req in self._waiting:
                     self._waiting.remove(req)
-                self._cv.notify_all()
+                self._cv.notify()
 
     def _position(self, req: Request) -> int:
         try:
@@ -156,11 +182,9 @@ class Engine:
             req = self._waiting[0]
             fits = len(self._active) < self.max_rows and self._kv_used() + req.row.kv_bytes() <= self.kv_budget
             if not (fits or not self._active):
-                newly = [w for w in self._waiting if not w.held]
-                for w in newly:
+                for w in self._waiting:       # looked at and held: their readers may report Waiting now
                     w.held = True
-                if newly:
-                    self._cv.notify_all()     # their readers may now report Waiting
+                    w.cv.notify()
                 return
             self._join(self._waiting.popleft())
 
@@ -175,7 +199,7 @@ class Engine:
                     if self._stop:
                         for req in self._active + list(self._waiting):
                             req.events.append(_END)
-                        self._cv.notify_all()
+                            req.cv.notify()
                         return
                     self._drop_finished()
                     self._admit()
@@ -185,14 +209,15 @@ class Engine:
                     self._cv.wait(timeout=0.5)
                 rows = [r.row for r in ready]
             try:
-                out = advance(self.bb, rows, self.chunk, self.rule.choose if self.rule is not None else None)
+                out = advance(self.bb, rows, self.chunk, self.rule.choose if self.rule is not None else None,
+                              self.pool)
             except Exception as exc:   # noqa: BLE001 - the step's requests fail, the engine keeps serving
                 log.exception("engine step failed")
                 with self._cv:
                     for req in ready:
                         req.error, req.row.finished = exc, True
                         req.events.append(_END)
-                    self._cv.notify_all()
+                        req.cv.notify()
                 continue
             with self._cv:
                 self.steps += 1
@@ -203,7 +228,8 @@ class Engine:
                 for req in ready:
                     if req.row.finished:
                         req.events.append(_END)
-                self._cv.notify_all()
+                    if req.events:
+                        req.cv.notify()
 
     def _drop_finished(self) -> None:
         keep = []
@@ -211,7 +237,9 @@ class Engine:
             if req.closed or req.row.finished:
                 if not req.row.finished:
                     req.row.finished = True
-                req.row.cache = None          # its KV memory goes back now
+                cache, req.row.cache = req.row.cache, None     # its KV memory goes back now
+                if cache is not None and cache.pool is not None:
+                    cache.pool.give(cache)
             else:
                 keep.append(req)
         self._active = keep
