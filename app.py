@@ -332,8 +332,10 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
     try:
-        studio = startup.load_studio(args.model, args.calibration, threads=args.threads, map_in_background=True,
-                                     device=args.device, limits=limits, warm=False)
+        # on a thread: once the main thread has run torch's parallel work, every other thread's ran ~30% slower
+        # here (OpenMP), and the engine, the warm-up and the background measurements all run on other threads
+        studio = startup.off_main(startup.load_studio, args.model, args.calibration, threads=args.threads,
+                                  map_in_background=True, device=args.device, limits=limits, warm=False)
     except ModelNotFoundError as exc:       # one sentence that says what to do, no traceback
         raise SystemExit(str(exc)) from None
     t_ui = time.perf_counter()

@@ -35,20 +35,28 @@ GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot
 UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while a model runs (tokens coalesced)
 
 
-def coalesce(updates, every_s: float | None = None):
-    """Named-output dicts merged so that at most one goes out every `every_s` (default UPDATE_EVERY_S; the
-    first at once, the last always): each page update costs the server work beside the decode, on the
-    same two cores."""
+def coalesce(updates, every_s=None):
+    """Named-output dicts merged so that at most one goes out every `every_s` (default UPDATE_EVERY_S; a
+    callable is asked again at each update; the first goes at once, the last always): each page update
+    costs the server work beside the decode, on the same two cores."""
     every_s = UPDATE_EVERY_S if every_s is None else every_s
     pending, last = {}, float("-inf")
     for update in updates:
         pending.update(update)
         now = time.monotonic()
-        if now - last >= every_s:
+        if now - last >= (every_s() if callable(every_s) else every_s):
             yield pending
             pending, last = {}, now
     if pending:
         yield pending
+
+
+def update_every(studio: Studio):
+    """Seconds between one visitor's page updates, growing with the rows the engine serves (≤ 5 a second
+    alone, ~1 a second for 16): Gradio's work per update (serialising, the event loop) holds the GIL the
+    engine's steps also need, so a class's 80 updates a second slowed every answer."""
+    engine = getattr(studio, "engine", None)
+    return lambda: UPDATE_EVERY_S * max(1.0, (engine.last_rows if engine is not None else 1) / 4)
 
 
 def timed(events):
@@ -86,7 +94,7 @@ def run_stream(studio: Studio, session: Session, prompt: str, strategy: str, dom
     strat = make_strategy(studio, strategy, cfg.gamma, k, domain, cfg.draft)
     events = decode(bb, prompt, strat, cfg, should_stop=lambda: session.stop, report_wait=True)
     with studio.quiet.job():          # background measurements wait for it (profiles.Quiet)
-        yield from coalesce(show_events(studio, session, run, timed(events), cal_note))
+        yield from coalesce(show_events(studio, session, run, timed(events), cal_note), update_every(studio))
 
 
 def show_events(studio: Studio, session: Session, run: Run, events, note: str = "", verb: str = "generating"):
@@ -192,12 +200,14 @@ def generate(studio: Studio, session, prompt, strategy_label, domain, max_new, g
         return
     (cfg, k, note), strategy = got, STRATEGY_OF_LABEL.get(strategy_label, "knn")
     session.race = None
-    reset = {"trace_file": NO_TRACE}           # the last run's download link goes with the first update
+    # the first update carries the session (it may be new) and resets the last run's download link; later
+    # ones only what changed (the session is the same object, sent again at the end)
+    first = {"trace_file": NO_TRACE, "session": session}
     try:
         for update in run_stream(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k),
                                  note):
-            yield dict(session=session, **update, **reset)
-            reset = {}
+            yield dict(**update, **first)
+            first = {}
         cost, what_if_fig = cost_view(studio, session.run, None)
         yield dict(session=session, cost=cost, what_if=what_if_fig, batch_plot=batch_view(studio, session.run),
                    race=vstats.race_html(None),

@@ -14,7 +14,7 @@ from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
 from viz import stats as vstats
-from viz.handlers import coalesce, failed, refused, request_settings, show_events
+from viz.handlers import coalesce, failed, update_every, refused, request_settings, show_events
 from viz.session import NO_TRACE, Run, Session, batch_view, cost_view, stats_view, trace_download, visitor
 from viz.studio import DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, clean_prompt, make_strategy
 
@@ -61,7 +61,7 @@ def _race(studio: Studio, session, prompt, strategy_label, domain, max_new, gamm
                                                                          "running in lockstep…"), trace_file=NO_TRACE)
         with studio.quiet.job():
             yield from coalesce(_laps(studio, session, clean_prompt(prompt).strip(), strategy, domain, cfg, int(k),
-                                      note, against))
+                                      note, against), update_every(studio))
     except Exception as exc:        # noqa: BLE001 - a visitor sees a sentence, the log keeps the traceback
         log.exception("decode failed")
         yield dict(failed(session, exc), race=vstats.race_html(None, running="race stopped: the model failed"))

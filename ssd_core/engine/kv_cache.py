@@ -36,17 +36,20 @@ class KVCache:
 
 
 class KVPool:
-    """Slots of `slot_len` positions for the engine's rows. Allocated empty (pages are touched only as rows
-    use them); a slot's positions are kept finite up to `finite[slot]` (written, or zeroed when a pass
-    first reads them as padding), since a masked key still multiplies its value by zero."""
+    """Slots of `slot_len` positions for the engine's rows, zeroed when made (a pass reads other rows'
+    padding under a mask, and a masked key still multiplies its value by zero: it must be finite).
+    reserve=False: allocated empty instead, pages touched only as rows use them, and a slot's positions
+    made finite up to `finite[slot]` (written, or zeroed when a pass first reads them as padding)."""
 
-    def __init__(self, n_layers: int, n_kv: int, slots: int, slot_len: int, head_dim: int, dtype, device=None):
+    def __init__(self, n_layers: int, n_kv: int, slots: int, slot_len: int, head_dim: int, dtype, device=None,
+                 reserve: bool = True):
         shape = (n_layers, slots, n_kv, slot_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        make = torch.zeros if reserve else torch.empty
+        self.k = make(shape, dtype=dtype, device=device)
+        self.v = make(shape, dtype=dtype, device=device)
         self.slot_len = slot_len
         self.free = list(range(slots))
-        self.finite = [0] * slots
+        self.finite = [slot_len if reserve else 0] * slots
 
     def take(self, max_len: int) -> KVCache | None:
         """The lowest free slot as a cache of `max_len` positions (None: too long, or no slot free)."""

@@ -25,7 +25,7 @@ from .rows import Row, advance
 log = logging.getLogger(__name__)
 
 BUFFER = 64            # most undelivered events of a free-running request before the engine waits for its reader
-PREFILL_CHUNK = 128    # prompt tokens per step over all rows, while others decode (each stall ≈ one chunk)
+PREFILL_CHUNK = 256    # prompt tokens per step over all rows, while others decode (each stall ≈ one chunk)
 _END = object()
 
 
@@ -54,7 +54,7 @@ class Engine:
     """Owns the backbone's forward passes while it serves; `decode()` on any other thread goes through it."""
 
     def __init__(self, backbone, max_rows: int = 16, kv_budget_mb: float = 1024, rule=None,
-                 chunk: int = PREFILL_CHUNK, slot_len: int = 2048):
+                 chunk: int = PREFILL_CHUNK, slot_len: int = 1024):
         self.bb, self.max_rows, self.kv_budget = backbone, max_rows, int(kv_budget_mb * 1e6)
         self.rule, self.chunk = rule, chunk
         # one lock; the engine thread waits on _cv, each reader on its own Request.cv: a step wakes only
@@ -66,11 +66,13 @@ class Engine:
         self._active: list[Request] = []
         self._thread: threading.Thread | None = None
         self._owner: threading.Thread | None = None   # the thread that runs the loop
-        # the rows' caches: a slot each (a race's lap may join beyond max_rows: twice the slots), allocated
-        # empty, so memory is touched only as rows use it; a longer row gets a cache of its own
+        # the rows' caches: a slot each of up to `slot_len` positions, reserved (zeroed) now within the KV
+        # budget, so serving a class does not grow the process; a longer row, or one beyond the slots
+        # (a race's second lap may join past max_rows), gets a cache of its own
         bb = backbone
-        self.pool = KVPool(bb.n_layers, bb.n_kv, 2 * max_rows, min(slot_len, bb.max_positions), bb.head_dim,
-                           bb.dtype, bb.device)
+        per_position = 2 * bb.n_layers * bb.n_kv * bb.head_dim * bb.embed.element_size()
+        slot_len = max(1, min(slot_len, bb.max_positions, self.kv_budget // (max_rows * per_position)))
+        self.pool = KVPool(bb.n_layers, bb.n_kv, max_rows, slot_len, bb.head_dim, bb.dtype, bb.device)
         self._stop = False
         self.steps = 0                 # engine steps taken (tests, the status line)
         self.last_rows = 0             # rows in the last step

@@ -172,24 +172,34 @@ def run_batch(bb, prompts, make_strategy, cfg: DecodeConfig, rule: GoodputRule |
     kv_mb = n * Row(bb, streams[0].prompt, None, cfg).kv_bytes() / 1e6
     counted = _Counted(rule) if rule is not None else None
     engine = _Gated(bb, max_rows=max(n, 16), kv_budget_mb=max(1024.0, 1.1 * kv_mb), rule=counted,
-                    chunk=sum(len(p) for _, p in prompts)).attach()
-    try:
-        threads = [threading.Thread(target=_consume, args=(bb, s, make_strategy(s.domain), cfg), daemon=True)
-                   for s in streams]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while engine.status()["waiting"] < n:          # every request queued before any is admitted
-            if any(s.error for s in streams) or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
-        t0 = time.perf_counter()
-        engine.open()
-        for t in threads:
-            t.join()
-        decode_steps = engine.steps - 1
-    finally:
-        engine.close()
+                    chunk=sum(len(p) for _, p in prompts)).attach(thread=False)
+    # the engine serves on this thread (the one that loaded the model, as the app does: engine.serve's
+    # attach), the streams are read on threads of their own; a watcher releases them together, then
+    # closes the engine once every stream is read
+    threads = [threading.Thread(target=_consume, args=(bb, s, make_strategy(s.domain), cfg), daemon=True)
+               for s in streams]
+    clock = {}
+
+    def watch():
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 60
+            while engine.status()["waiting"] < n:      # every request queued before any is admitted
+                if any(s.error for s in streams) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+            clock["t0"] = time.perf_counter()
+            engine.open()
+            for t in threads:
+                t.join()
+        finally:
+            engine.close()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    engine.run()
+    watcher.join()
+    t0, decode_steps = clock.get("t0", time.perf_counter()), engine.steps - 1
     for s in streams:
         if s.error is not None:
             raise RuntimeError(f"a {s.domain} stream failed: {s.error!r}") from s.error
