@@ -192,6 +192,12 @@ def figures(visits: list[Visit]) -> dict:
             "tokens_p50": pct(tokens, 0.5)}
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scenario(url: str, kinds: list[str], status: EngineStatus, server: Server, log) -> dict:
     """len(kinds) visitors, each its own session, pressing within WINDOW_S; their figures per kind."""
     prompts = class_prompts(len(kinds))
@@ -205,6 +211,7 @@ def scenario(url: str, kinds: list[str], status: EngineStatus, server: Server, l
             s = status.read()
             peak[0] = max(peak[0], (s or {}).get("rows", 0))
             time.sleep(0.25)
+    before, cpu0 = status.read() or {}, cpu_s(server.proc.pid)
     t0 = time.monotonic() + 0.5
     threads = [threading.Thread(target=v.run, args=(t0 + WINDOW_S * i / len(visits), tally))
                for i, v in enumerate(visits)]
@@ -212,16 +219,22 @@ def scenario(url: str, kinds: list[str], status: EngineStatus, server: Server, l
     [t.start() for t in threads + ([sampler] if sampler else [])]
     [t.join() for t in threads]
     sampling.set()
+    after, cpu1 = status.read() or {}, cpu_s(server.proc.pid)
     for c in clients:
         c.close()
     out = {"visitors": len(kinds), "window_s": WINDOW_S, "prompts": prompts,
            "all": figures(visits), "streaming": figures([v for v in visits if v.kind != "walk"]),
            "kinds": {k: figures([v for v in visits if v.kind == k]) for k in dict.fromkeys(kinds)},
            "errors": tally.errors, "refused": tally.refused, "failure_samples": tally.samples[:6],
-           "peak_rows": peak[0] if sampler else None, "rss_mb_after": round(rss_mb(server.proc.pid), 1)}
+           "peak_rows": peak[0] if sampler else None, "rss_mb_after": round(rss_mb(server.proc.pid), 1),
+           # the server's CPU seconds (all threads) while the class was served, and the engine's stepping
+           # seconds (wall; its matmuls use both cores): what is left is the page's own work
+           "server_cpu_s": round(cpu1 - cpu0, 2), "engine_steps": after.get("steps", 0) - before.get("steps", 0),
+           "engine_busy_s": round(after.get("busy_s", 0.0) - before.get("busy_s", 0.0), 2)}
     log(f"  {len(kinds)} visitors: first token p50 {out['streaming']['first_token_p50_s']} s, max "
         f"{out['streaming']['first_token_max_s']} s; done p50 {out['all']['done_p50_s']} s, last "
-        f"{out['all']['done_max_s']} s; errors {tally.errors}, refused {tally.refused}, peak rows {out['peak_rows']}")
+        f"{out['all']['done_max_s']} s; errors {tally.errors}, refused {tally.refused}, peak rows {out['peak_rows']}; "
+        f"engine busy {out['engine_busy_s']} s in {out['engine_steps']} steps, server CPU {out['server_cpu_s']} s")
     return out
 
 

@@ -75,6 +75,7 @@ class Engine:
         self.pool = KVPool(bb.n_layers, bb.n_kv, max_rows, slot_len, bb.head_dim, bb.dtype, bb.device)
         self._stop = False
         self.steps = 0                 # engine steps taken (tests, the status line)
+        self.busy_s = 0.0              # seconds spent stepping (the load tests: model time vs the page's)
         self.last_rows = 0             # rows in the last step
 
     # --- life cycle -----------------------------------------------------------------------------------
@@ -166,7 +167,8 @@ class Engine:
         """Rows decoding, requests waiting, KV memory in use (bytes) — for the page and the tests."""
         with self._cv:
             return {"rows": len(self._active), "waiting": len(self._waiting), "kv_bytes": self._kv_used(),
-                    "kv_budget": self.kv_budget, "max_rows": self.max_rows, "steps": self.steps}
+                    "kv_budget": self.kv_budget, "max_rows": self.max_rows, "steps": self.steps,
+                    "busy_s": round(self.busy_s, 3)}
 
     # --- the engine thread ----------------------------------------------------------------------------
     def _kv_used(self) -> int:
@@ -210,6 +212,7 @@ class Engine:
                         break
                     self._cv.wait(timeout=0.5)
                 rows = [r.row for r in ready]
+            t_step = time.perf_counter()
             try:
                 out = advance(self.bb, rows, self.chunk, self.rule.choose if self.rule is not None else None,
                               self.pool)
@@ -222,6 +225,7 @@ class Engine:
                         req.cv.notify()
                 continue
             with self._cv:
+                self.busy_s += time.perf_counter() - t_step
                 self.steps += 1
                 self.last_rows = len(rows)
                 by_row = {id(r.row): r for r in ready}
