@@ -35,6 +35,20 @@ GEN_OUTPUTS = ("session", "tokens", "stats", "route", "domain_plot", "layer_plot
 UPDATE_EVERY_S = 0.2      # at most ~5 page updates a second while a model runs (tokens coalesced)
 
 
+class Later:
+    """A view rendered only if it goes out: coalesce drops most of a run's updates in a crowd, and rendering
+    every step's whole token stream and stats (for nothing) held the GIL the engine's steps need."""
+
+    __slots__ = ("render",)
+
+    def __init__(self, render):
+        self.render = render
+
+
+def _rendered(update: dict) -> dict:
+    return {k: v.render() if isinstance(v, Later) else v for k, v in update.items()}
+
+
 def coalesce(updates, every_s=None):
     """Named-output dicts merged so that at most one goes out every `every_s` (default UPDATE_EVERY_S; a
     callable is asked again at each update; the first goes at once, the last always): each page update
@@ -45,10 +59,10 @@ def coalesce(updates, every_s=None):
         pending.update(update)
         now = time.monotonic()
         if now - last >= (every_s() if callable(every_s) else every_s):
-            yield pending
+            yield _rendered(pending)
             pending, last = {}, now
     if pending:
-        yield pending
+        yield _rendered(pending)
 
 
 def update_every(studio: Studio):
@@ -141,7 +155,8 @@ def show_events(studio: Studio, session: Session, run: Run, events, note: str = 
         elif changed:
             update["layer_plot"] = layer_fig(studio, run)
         parts.append(vtok.tokens_html(vtok.step_tokens(ev, token_str, eos)))
-        update.update(tokens=tokens_view(studio, parts, f"{verb}…"), stats=stats_view(run, None, note))
+        update.update(tokens=Later(lambda: tokens_view(studio, parts, f"{verb}…")),
+                      stats=Later(lambda: stats_view(run, None, note)))
         yield update
     if figures_due:                       # the run ended (or was stopped) before its first step
         yield figures()

@@ -14,7 +14,7 @@ from ssd_core.engine.ties import logit_gap
 from ssd_core.policies.ar import Autoregressive
 from ssd_core.tools.metrics import first_difference
 from viz import stats as vstats
-from viz.handlers import coalesce, failed, update_every, refused, request_settings, show_events
+from viz.handlers import Later, coalesce, failed, update_every, refused, request_settings, show_events
 from viz.session import NO_TRACE, Run, Session, batch_view, cost_view, stats_view, trace_download, visitor
 from viz.studio import DEFAULT_DRAFT_LABEL, LABELS, STRATEGY_OF_LABEL, Studio, clean_prompt, make_strategy
 
@@ -85,12 +85,16 @@ def _laps(studio: Studio, session: Session, prompt: str, strategy: str, domain, 
             if side == "a":
                 yield ev, (lap.start_s if isinstance(ev, Start) else lap.step_s[-1])
 
-    for update in show_events(studio, session, run, my_events(), note):
+    def progress():
         b = laps.get("b")
         done = b.committed if b is not None else 0
-        yield dict(session=session, **update, race=vstats.race_html(
+        return vstats.race_html(
             None, running=f"lockstep · {LABELS[strategy]}: {run.stats.new_tokens if run.stats else 0} · {name}: "
-                          f"{done} of ≤ {cfg.max_new_tokens} tokens"))
+                          f"{done} of ≤ {cfg.max_new_tokens} tokens")
+    first = {"session": session}              # the session once (the same object goes again at the end)
+    for update in show_events(studio, session, run, my_events(), note):
+        yield dict(**update, **first, race=Later(progress))      # rendered only if it goes out (coalesce)
+        first = {}
     a, b = laps.get("a"), laps.get("b")
     if session.stop or a is None or b is None:
         yield dict(session=session, race=vstats.race_html(None, running="race stopped"),
