@@ -194,12 +194,12 @@ def test_stop_ends_generation_within_one_step(studio):
 def test_should_stop_is_polled_every_step(tiny):
     calls = []
 
-    def stop_after_two():
+    def stop_after_two():            # polled once while the prompt is read, then before every step
         calls.append(1)
-        return len(calls) > 2
+        return len(calls) > 3
     events = list(decode(tiny, "stop me", Autoregressive(), DecodeConfig(max_new_tokens=50),
                          should_stop=stop_after_two))
-    assert isinstance(events[0], Start) and len(events) == 3
+    assert isinstance(events[0], Start) and len(events) == 3 and len(calls) == 4
 
 
 # --- artefacts ------------------------------------------------------------------------------------
