@@ -36,7 +36,6 @@ import gradio as gr
 from ssd_core.calibration.domains import DOMAINS
 from ssd_core.engine.device import add_device_argument
 from ssd_core.engine.loading import ModelNotFoundError
-from viz import api_handlers as api
 from viz import benchmark as vbench
 from viz import handlers as h
 from viz import page_handlers as ph
@@ -47,7 +46,7 @@ from viz import trace_handlers as th
 from viz import walk_handlers as wh
 from viz import session as vs
 from viz import startup
-from viz.adapter import gate_per_visitor, outputs, upload_forgetter, wired
+from viz.adapter import gate_per_visitor, outputs, register_apis, upload_forgetter, wired
 from viz.benchmark import bench_plots
 from viz.limits import Limits, parse_overrides, private_server
 from viz.studio import ALLOWED_MODELS, DEFAULT_DRAFT_LABEL, DRAFTS, ROOT, STRATEGY_OF_LABEL, Studio, public_message
@@ -275,26 +274,15 @@ def wire(demo: gr.Blocks, studio: Studio, ui: dict) -> None:
     for ctl in (ui["wi_gamma"], ui["wi_verify"]):
         ctl.release(wired(h.what_if, ["what_if"], studio), of("session", "wi_gamma", "wi_verify"), ui["what_if"],
                     show_progress="hidden", api_visibility="private")
-    # never on a public server: any registered event can be posted. Gradio gives a shared lane its smallest
-    # limit, so with this event registered (private, no calibration yet) the model lane runs one at a time:
-    # calibrating times the model, and must not share it
+    # never on a public server (any registered event can be posted); with it (private, no calibration yet) the
+    # shared lane takes its smallest limit and runs one at a time: calibrating times the model, and must not share it
     if calibration_event_allowed(studio):
         ui["cal_btn"].click(partial(run_calibration, studio), None, of("banner", "cal_btn"), concurrency_limit=1,
                             concurrency_id="model", api_visibility="private")
     demo.load(wired(ph.page_load, ph.PAGE_OUTPUTS, studio, studio.calibration), [session], of(*ph.PAGE_OUTPUTS),
               show_progress="hidden", api_visibility="private")
 
-    def generate_text_api(prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64, gamma: float = 4,
-                          threshold: float = 0.0, temperature: float = 0.0, top_p: float = 1.0,
-                          draft: str = DEFAULT_DRAFT_LABEL, seed: float | None = None, calibration: str = "") -> dict:
-        return api.generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
-                                 draft, seed, calibration)
-    gr.api(generate_text_api, api_name="generate_text", concurrency_limit=rows, concurrency_id="model")
-
-    def engine_status() -> dict:        # the load tests read rows, waiting and KV memory (outside the queue)
-        engine = studio.engine
-        return engine.status() if engine is not None else {}
-    gr.api(engine_status, api_name="engine_status", queue=False, api_visibility="undocumented")
+    register_apis(studio, rows)         # /generate_text (the model's lane) and /engine_status
     if len(studio.choices) > 1:     # a run may have built a draft: the chooser's memory line says so
         for run in [*runs, walk_start]:
             run.then(wired(ph.cal_info, ["cal_info"], studio), [session], ui["cal_info"], **quiet)
@@ -315,8 +303,7 @@ def launch(demo: gr.Blocks, studio: Studio, **kwargs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description="KNN-SSD Studio: self-speculative decoding, visualised")
     ap.add_argument("--model", default=None, help="HF id, local folder or .gguf (default: embedded SmolLM2-135M)")
-    ap.add_argument("--calibration", default=None,
-                    help="calibration folder (default: assets/calibration/<model slug>)")
+    ap.add_argument("--calibration", default=None, help="calibration folder (default: assets/calibration/<slug>)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cap", action="append", metavar="NAME=VALUE", default=[],
                     help="raise or lower one cap (repeatable), e.g. --cap max_new_tokens=384; names and defaults "
@@ -332,8 +319,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     imports_s = time.perf_counter() - T_LAUNCH
     try:
-        # on a thread: once the main thread has run torch's parallel work, every other thread's ran ~30% slower
-        # here (OpenMP), and the engine, the warm-up and the background measurements all run on other threads
+        # torch stays off the main thread (viz.startup.off_main says why)
         studio = startup.off_main(startup.load_studio, args.model, args.calibration, threads=args.threads,
                                   map_in_background=True, device=args.device, limits=limits, warm=False)
     except ModelNotFoundError as exc:       # one sentence that says what to do, no traceback
@@ -353,8 +339,7 @@ def main(argv=None):
           f"{time.perf_counter() - t_ui:.1f} s; the UMAP domain map loads in the background); "
           f"calibration: {where}", flush=True)
     print(f"caps ({'public Space' if limits.public else 'local'}): {limits.describe()}", flush=True)
-    print(f"serving up to {engine.max_rows} requests in one batch (KV budget {limits.kv_budget_mb} MB); the goodput "
-          "rule sets each shared step's draft length", flush=True)
+    print(f"serving up to {engine.max_rows} requests in one batch (KV budget {limits.kv_budget_mb} MB)", flush=True)
     launch(demo, studio, prevent_thread_lock=True)
     studio.start_map()              # the UMAP map compiles in the background once the server is up
     demo.block_thread()

@@ -11,7 +11,8 @@ import gradio as gr
 from gradio import processing_utils
 
 from viz.limits import UPLOAD_GRACE_S, LaterDelete, busy_message, forget_upload
-from viz.studio import Update
+from viz import api_handlers as api
+from viz.studio import DEFAULT_DRAFT_LABEL, Update
 
 
 def outputs(named: dict, names) -> tuple | object:
@@ -70,3 +71,20 @@ def gate_per_visitor(queue, cap: int) -> None:
             return False, busy_message(held, cap), "error"
         return await push(body, request, username)
     queue.push = gated
+
+
+def register_apis(studio, rows: int) -> None:
+    """The plain API beside the page's events: `/generate_text` (one whole answer, in the model's lane of
+    `rows`) and `/engine_status` (the serving engine's rows, queue and KV memory, outside the queue: the load
+    tests read it). Gradio reads each endpoint's inputs and output from its signature."""
+    def generate_text_api(prompt: str, strategy: str = "KNN-SSD", max_new_tokens: float = 64, gamma: float = 4,
+                          threshold: float = 0.0, temperature: float = 0.0, top_p: float = 1.0,
+                          draft: str = DEFAULT_DRAFT_LABEL, seed: float | None = None, calibration: str = "") -> dict:
+        return api.generate_text(studio, prompt, strategy, max_new_tokens, gamma, threshold, temperature, top_p,
+                                 draft, seed, calibration)
+    gr.api(generate_text_api, api_name="generate_text", concurrency_limit=rows, concurrency_id="model")
+
+    def engine_status() -> dict:
+        engine = studio.engine
+        return engine.status() if engine is not None else {}
+    gr.api(engine_status, api_name="engine_status", queue=False, api_visibility="undocumented")
