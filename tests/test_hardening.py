@@ -146,8 +146,9 @@ def test_bad_input_through_gradio_client(served, case):
 
 
 def test_eight_clients_at_once_are_queued_not_refused_and_each_gets_its_own_lossless_text(served, tiny):
-    """The model's lane runs one request at a time: eight clients sent together wait their turn (none is
-    refused by the queue or the per-visitor cap) and none gets another's text."""
+    """Eight clients sent together are served (in the model's lane of max_rows; this server has no engine
+    attached, so each decodes on its own thread): none is refused by the queue or the per-visitor cap, and
+    none gets another's text."""
     prompts = [f"client {i}: tell me about {w}" for i, w in
                enumerate(["cats", "rain", "maths", "trains", "tea", "stars", "music", "code"])]
     cfg = DecodeConfig(max_new_tokens=16, gamma=3, max_prompt_tokens=vstudio.MAX_PROMPT_TOKENS)
