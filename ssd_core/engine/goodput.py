@@ -121,8 +121,7 @@ class GoodputRule:
 
     def choose(self, rows, gammas, lookups) -> tuple[int, str]:
         """(γ cap, what it chose and why in words) for these decoding rows (rows.advance's `limit`)."""
-        ratios = [1.0 - self.bb.skip_weight_ratio(r.draft_skip) if getattr(r, "draft_skip", None) is not None
-                  else 1.0 for r in rows]
+        ratios = [1.0 - self.bb.skip_weight_ratio(r.draft_skip) if r.draft_skip is not None else 1.0 for r in rows]
         alphas = [r.alpha for r in rows]
         pred = self.predict(alphas, gammas, lookups, ratios)
         g = max(pred, key=lambda k: (pred[k], -k))

@@ -10,6 +10,11 @@ from __future__ import annotations
 import torch
 
 
+def bytes_per_position(bb) -> int:
+    """Bytes one position of a backbone's KV cache takes (keys and values of every layer)."""
+    return 2 * bb.n_layers * bb.n_kv * bb.head_dim * bb.embed.element_size()
+
+
 class KVCache:
     """Keys/values for every layer, (layers, kv heads, positions, head dim); `length` positions are valid."""
 

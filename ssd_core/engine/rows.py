@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .backbone import EMPTY, Backbone
 from . import events as E             # E._speculative_sample looked up per call (tests swap in wrong rules)
 from .events import DecodeConfig, DecodeState, Start, Step, _probs, _sample
+from .kv_cache import bytes_per_position
 from .lookup import PromptLookup
 from .packed import RowPass, forward_rows
 from .prompt import PromptIds
@@ -61,8 +62,7 @@ class Row:
 
     def kv_bytes(self) -> int:
         """What its KV cache takes (allocated whole when the row starts)."""
-        bb = self.bb
-        return 2 * bb.n_layers * bb.n_kv * self.capacity * bb.head_dim * bb.embed.element_size()
+        return self.capacity * bytes_per_position(self.bb)
 
     def state(self) -> DecodeState:
         return DecodeState(self.bb, self.cache, self.tokens, self.generated, self.index, self.config)

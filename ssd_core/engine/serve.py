@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from .decode import Waiting
-from .kv_cache import KVPool
+from .kv_cache import KVPool, bytes_per_position
 from .rows import Row, advance
 
 log = logging.getLogger(__name__)
@@ -70,8 +70,7 @@ class Engine:
         # budget, so serving a class does not grow the process; a longer row, or one beyond the slots
         # (a race's second lap may join past max_rows), gets a cache of its own
         bb = backbone
-        per_position = 2 * bb.n_layers * bb.n_kv * bb.head_dim * bb.embed.element_size()
-        slot_len = max(1, min(slot_len, bb.max_positions, self.kv_budget // (max_rows * per_position)))
+        slot_len = max(1, min(slot_len, bb.max_positions, self.kv_budget // (max_rows * bytes_per_position(bb))))
         self.pool = KVPool(bb.n_layers, bb.n_kv, max_rows, slot_len, bb.head_dim, bb.dtype, bb.device)
         self._stop = False
         self.steps = 0                 # engine steps taken (tests, the status line)
